@@ -1,0 +1,92 @@
+# vllm-hopper-decode — thin targets over the one CLI, scripts/hd.py.
+#
+#   make build-wheel   fetch + verify the pinned vLLM, apply the series + overlay + kernels,
+#                      write dist/vllm-<ver>+hd.N-*.whl and verify it
+#   make test          every CPU test: tooling, the real pin, upstream's own test allow-list
+#   make check         patch lint + export drift + ruff
+#
+# Everything installs itself: the dev venv (.venv) from ci/requirements-dev.txt, the wheel
+# venv (build/venv-wheel) from the built wheel and its dependencies.
+
+PYTHON ?= python3
+VENV ?= .venv
+WHEEL_VENV ?= build/venv-wheel
+PY := $(VENV)/bin/python
+HD := $(PY) scripts/hd.py
+
+.PHONY: help venv-dev fetch import apply export lint drift ruff check build-wheel \
+	verify-wheel index venv test test-tooling test-real-pin test-upstream test-gpu \
+	pre-commit clean distclean
+
+help:
+	@sed -n '2,9p' Makefile
+
+$(VENV)/.installed: ci/requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r ci/requirements-dev.txt
+	touch $@
+
+venv-dev: $(VENV)/.installed
+
+fetch: venv-dev
+	$(HD) fetch
+
+import: venv-dev
+	$(HD) import
+
+apply: venv-dev
+	$(HD) apply
+
+export: venv-dev
+	$(HD) export
+
+lint: venv-dev
+	$(HD) lint
+
+drift: venv-dev
+	$(HD) export --check
+
+ruff: venv-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+check: lint apply drift ruff
+
+build-wheel: venv-dev
+	$(HD) build-wheel
+
+verify-wheel: venv-dev
+	$(HD) verify-wheel
+
+index: venv-dev
+	$(HD) index
+
+# A fresh venv with the built wheel and its dependencies (torch 2.11.0, ...); reinstalled only
+# when the wheel changed.
+venv: build-wheel
+	$(HD) venv --if-stale --path $(WHEEL_VENV)
+
+test-tooling: venv-dev
+	$(PY) -m pytest tests/tooling -q
+
+test-real-pin: venv apply index
+	HD_REQUIRE_REAL_PIN=1 HD_VENV=$(WHEEL_VENV) $(PY) -m pytest tests -q -m real_pin
+
+test-upstream: venv
+	$(HD) upstream-tests --python $(WHEEL_VENV)/bin/python --subset cpu
+
+# Kernel tests need an SM90 GPU; elsewhere they skip, each with its reason. They run in the
+# wheel venv, which has the pinned torch and nvidia-cutlass-dsl.
+test-gpu: venv
+	$(WHEEL_VENV)/bin/python -m pytest tests/kernels -q -rs
+
+test: test-tooling test-real-pin test-upstream test-gpu
+
+pre-commit: venv-dev
+	$(VENV)/bin/pre-commit run --all-files
+
+clean:
+	rm -rf build dist .pytest_cache .ruff_cache
+
+distclean: clean
+	rm -rf .cache $(VENV)

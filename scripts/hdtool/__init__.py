@@ -1,0 +1,1 @@
+"""Tooling of vllm-hopper-decode: pin, fetch, import, apply, export, lint, wheel, index."""
