@@ -1,0 +1,539 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Skinny bf16 GEMM for decode on SM90: ``y[M, N] = x[M, K] @ W[N, K]^T``, M <= 16.
+
+Decode projections read far more weight bytes than they do arithmetic, so the
+kernel is built around streaming W once at full HBM bandwidth:
+
+* The problem is computed transposed, ``y^T = W @ x^T``, on the warp-level
+  ``mma.sync.m16n8k16`` tensor-core instruction: 16 weight rows are the MMA's
+  M side and up to 8 tokens its N side (two MMAs per weight fragment for
+  M-bucket 16).  The tensor cores keep the FP32 FMA pipe out of the critical
+  path, which a CUDA-core dot product would saturate at M = 16.
+* Every lane loads its weight fragments with 16-byte loads straight from
+  global memory into registers.  The MMA fragment wants 4 K-values per row
+  per lane; a dot product does not care in which order K is summed, so lane
+  ``t`` of a quad takes 8 consecutive K-values (one 16-byte chunk) and feeds
+  them to two MMAs, with the activation chunk permuted identically.  No
+  shared-memory staging or swizzling is needed for W.
+* A warp owns one 16-row tile and a contiguous range of K "steps" (32
+  K-values: 4 lanes x 8).  Warps of a CTA split K further (``warps_k``) and
+  reduce through shared memory; small-N shapes additionally split K across
+  CTAs (``split_k``) and the last CTA of a tile (atomic ticket) reduces the
+  FP32 partials from a workspace and runs the epilogue.
+* Epilogues (compile time): plain store; SiLU(gate) * up with gate and up rows
+  interleaved in 8-row blocks by ``pack_gate_up`` so each lane holds the gate
+  and the up value of the same output; residual add + RMSNorm, where every
+  tile writes its slice of the new residual and accumulates per-token sums of
+  squares, and the last tile of the grid (atomic ticket) normalises the row.
+
+Counters and sums of squares are reset by the CTA that consumed them, so a
+captured CUDA graph can be replayed without any host work.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+# One mma.sync.m16n8k16 covers 16 weight rows (its M) and 8 tokens (its N).
+ROWS_PER_TILE = 16
+TOKENS_PER_MMA = 8
+MMA_K = 16
+# A 16-byte load holds 8 bf16; it feeds two MMAs of one lane (4 K-values each).
+CHUNK = 8
+# The 4 lanes of a quad share a row pair in the MMA fragment, so one warp step
+# consumes 4 chunks = 32 K-values of each of its 16 rows.
+LANES_PER_QUAD = 4
+STEP_K = CHUNK * LANES_PER_QUAD
+WARP_THREADS = 32
+# Largest M the kernel serves: two n8 MMAs per weight fragment.
+MAX_TOKENS = 2 * TOKENS_PER_MMA
+# The last CTA of a residual+RMSNorm launch loads this many 16-byte chunks per
+# thread before using any, so the whole-row pass is not one L2 round trip per
+# chunk.
+NORM_LOADS_IN_FLIGHT = 8
+
+EPILOGUE_PLAIN = "plain"
+EPILOGUE_SILU_MUL = "silu_mul"
+EPILOGUE_RESIDUAL_RMSNORM = "residual_rmsnorm"
+EPILOGUES = (EPILOGUE_PLAIN, EPILOGUE_SILU_MUL, EPILOGUE_RESIDUAL_RMSNORM)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class SkinnyGemmKernel:
+    """Compile-time configuration of one skinny-GEMM variant.
+
+    ``n``/``k`` are the (packed) weight's shape, ``m_bucket`` is 8 or 16 (the
+    number of token columns the MMAs compute; the run-time ``m`` <= bucket
+    selects how many are stored), ``warps_k`` warps per CTA split K inside a
+    CTA, ``split_k`` CTAs per tile split it across the grid, and ``unroll``
+    K-steps of loads are issued per warp before their MMAs.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        k: int,
+        m_bucket: int,
+        epilogue: str,
+        warps_k: int,
+        split_k: int,
+        unroll: int,
+        eps: float = 1e-5,
+        out_cols: int | None = None,
+        use_pdl: bool = True,
+    ):
+        if epilogue not in EPILOGUES:
+            raise ValueError(
+                f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}"
+            )
+        if m_bucket not in (TOKENS_PER_MMA, MAX_TOKENS):
+            raise ValueError(f"m_bucket must be 8 or 16, got {m_bucket}")
+        if k % CHUNK:
+            raise ValueError(f"K={k} must be a multiple of {CHUNK} (16-byte rows)")
+        self.n, self.k, self.m_bucket, self.epilogue = n, k, m_bucket, epilogue
+        self.warps_k, self.split_k = warps_k, split_k
+        self.eps = eps
+        self.halves = m_bucket // TOKENS_PER_MMA
+        self.k_chunks = k // CHUNK
+        self.num_tiles = _ceil_div(n, ROWS_PER_TILE)
+        total_steps = _ceil_div(self.k_chunks, LANES_PER_QUAD)
+        k_slices = warps_k * split_k
+        self.steps_per_warp = _ceil_div(total_steps, k_slices)
+        if self.steps_per_warp * (k_slices - 1) >= total_steps:
+            raise ValueError(
+                f"warps_k*split_k={k_slices} leaves a warp without K work for K={k}"
+            )
+        self.unroll = max(1, min(unroll, self.steps_per_warp))
+        # K predicates are needed only when the slices overhang the real K.
+        self.k_ragged = self.steps_per_warp * k_slices * STEP_K != k
+        self.n_ragged = n % ROWS_PER_TILE != 0
+        self.threads = warps_k * WARP_THREADS
+        self.values_per_lane = 4 * self.halves
+        if epilogue == EPILOGUE_SILU_MUL and n % ROWS_PER_TILE:
+            raise ValueError(
+                "silu_mul needs the packed gate/up weight (see pack_gate_up)"
+            )
+        if epilogue == EPILOGUE_RESIDUAL_RMSNORM and n % CHUNK:
+            raise ValueError(f"residual_rmsnorm needs N % {CHUNK} == 0, got N={n}")
+        # silu_mul: the packed weight may carry zero padding rows; out_cols is
+        # the caller's real intermediate size (row stride and store bound).
+        self.out_cols = out_cols or (n // 2 if epilogue == EPILOGUE_SILU_MUL else n)
+        # Programmatic dependent launch: start streaming weights while the
+        # previous kernel in the stream finishes (SM90 griddepcontrol).
+        self.use_pdl = use_pdl
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        residual_ptr: cute.Pointer,
+        residual_out_ptr: cute.Pointer,
+        gamma_ptr: cute.Pointer,
+        partial_ptr: cute.Pointer,
+        counter_ptr: cute.Pointer,
+        sumsq_ptr: cute.Pointer,
+        m: Int32,
+        stream: cuda.CUstream,
+    ):
+        smem_bytes = 0
+        if const_expr(self.warps_k > 1):
+            smem_bytes += self.warps_k * WARP_THREADS * self.values_per_lane * 4
+        smem_bytes += 4 * WARP_THREADS + 4 * MAX_TOKENS  # ticket flag + rstd
+        self.kernel(
+            x_ptr,
+            w_ptr,
+            out_ptr,
+            residual_ptr,
+            residual_out_ptr,
+            gamma_ptr,
+            partial_ptr,
+            counter_ptr,
+            sumsq_ptr,
+            m,
+        ).launch(  # fmt: skip
+            grid=[self.num_tiles, self.split_k, 1],
+            block=[self.threads, 1, 1],
+            smem=smem_bytes,
+            stream=stream,
+            use_pdl=self.use_pdl,
+        )
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        residual_ptr: cute.Pointer,
+        residual_out_ptr: cute.Pointer,
+        gamma_ptr: cute.Pointer,
+        partial_ptr: cute.Pointer,
+        counter_ptr: cute.Pointer,
+        sumsq_ptr: cute.Pointer,
+        m: Int32,
+    ):
+        n, k_chunks, halves = self.n, self.k_chunks, self.halves
+        tidx, _, _ = cute.arch.thread_idx()
+        if const_expr(self.use_pdl):
+            # Let the next kernel launch once every CTA of this grid is
+            # resident; it waits (griddepcontrol.wait) before touching
+            # anything this kernel writes.
+            cute.arch.griddepcontrol_launch_dependents()
+        tile, split, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % WARP_THREADS
+        quad_row = lane // LANES_PER_QUAD  # MMA groupID: weight row / token column
+        quad_lane = lane % LANES_PER_QUAD  # MMA threadID_in_group: K chunk / token pair
+
+        # Chunked views: (rows, K/8, 8) so one [r, c, None] slice is a 16-byte load.
+        w_chunks = cute.make_tensor(
+            w_ptr, cute.make_layout((n, k_chunks, CHUNK), stride=(self.k, CHUNK, 1))
+        )
+        x_chunks = cute.make_tensor(
+            x_ptr,
+            cute.make_layout((MAX_TOKENS, k_chunks, CHUNK), stride=(self.k, CHUNK, 1)),
+        )
+
+        row_lo = tile * ROWS_PER_TILE + quad_row
+        row_hi = row_lo + TOKENS_PER_MMA
+        if const_expr(self.n_ragged):
+            # Rows past N are computed from a duplicate row and never stored.
+            row_lo = cutlass.min(row_lo, n - 1)
+            row_hi = cutlass.min(row_hi, n - 1)
+        # Token columns past m read token m-1 (valid memory); never stored.
+        x_rows = [
+            cutlass.min(quad_row + h * TOKENS_PER_MMA, m - 1) for h in range(halves)
+        ]
+
+        mma_atom = cute.make_mma_atom(
+            cute.nvgpu.warp.MmaF16BF16Op(
+                BFloat16, Float32, (ROWS_PER_TILE, TOKENS_PER_MMA, MMA_K)
+            )
+        )
+        # Fragments are (values, M-tiles, N-or-K-tiles) = (V, 1, 1) for one atom.
+        acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(halves)]
+        for h in cutlass.range_constexpr(halves):
+            acc[h].fill(0.0)
+        frag_a = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+        frag_b = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+
+        first_step = (split * self.warps_k + warp) * self.steps_per_warp
+        unroll = self.unroll
+        for batch_start in cutlass.range_constexpr(0, self.steps_per_warp, unroll):
+            batch = min(unroll, self.steps_per_warp - batch_start)
+            w_lo = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
+            w_hi = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
+            xs = [
+                [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(halves)]
+                for _ in range(batch)
+            ]
+            # Issue every load of the batch before the first MMA needs one.
+            for j in cutlass.range_constexpr(batch):
+                chunk = (first_step + batch_start + j) * LANES_PER_QUAD + quad_lane
+                if const_expr(self.k_ragged):
+                    if chunk < k_chunks:
+                        cute.autovec_copy(w_chunks[row_lo, chunk, None], w_lo[j])
+                        cute.autovec_copy(w_chunks[row_hi, chunk, None], w_hi[j])
+                    else:
+                        w_lo[j].fill(0.0)
+                        w_hi[j].fill(0.0)
+                else:
+                    cute.autovec_copy(w_chunks[row_lo, chunk, None], w_lo[j])
+                    cute.autovec_copy(w_chunks[row_hi, chunk, None], w_hi[j])
+            if const_expr(self.use_pdl and batch_start == 0):
+                # The weights never depend on the previous kernel, so the first
+                # batch is in flight while that kernel drains; x, the workspace
+                # and every output are touched only after it has completed.
+                cute.arch.griddepcontrol_wait()
+            for j in cutlass.range_constexpr(batch):
+                chunk = (first_step + batch_start + j) * LANES_PER_QUAD + quad_lane
+                for h in cutlass.range_constexpr(halves):
+                    if const_expr(self.k_ragged):
+                        if chunk < k_chunks:
+                            cute.autovec_copy(
+                                x_chunks[x_rows[h], chunk, None], xs[j][h]
+                            )
+                        else:
+                            xs[j][h].fill(0.0)
+                    else:
+                        cute.autovec_copy(x_chunks[x_rows[h], chunk, None], xs[j][h])
+            for j in cutlass.range_constexpr(batch):
+                # A 16-byte chunk is two MMA K-slices of 4 values per lane.
+                for s in cutlass.range_constexpr(2):
+                    # Fragment order a0..a7: (row g, k0,k1) (row g+8, k0,k1)
+                    # (row g, k8,k9) (row g+8, k8,k9); k0,k1 <- chunk[4s:4s+2],
+                    # k8,k9 <- chunk[4s+2:4s+4], the same for the B operand.
+                    frag_a[0] = w_lo[j][4 * s + 0]
+                    frag_a[1] = w_lo[j][4 * s + 1]
+                    frag_a[2] = w_hi[j][4 * s + 0]
+                    frag_a[3] = w_hi[j][4 * s + 1]
+                    frag_a[4] = w_lo[j][4 * s + 2]
+                    frag_a[5] = w_lo[j][4 * s + 3]
+                    frag_a[6] = w_hi[j][4 * s + 2]
+                    frag_a[7] = w_hi[j][4 * s + 3]
+                    for h in cutlass.range_constexpr(halves):
+                        for v in cutlass.range_constexpr(4):
+                            frag_b[v] = xs[j][h][4 * s + v]
+                        cute.gemm(mma_atom, acc[h], frag_a, frag_b, acc[h])
+
+        # ---- reduce the K slices of this CTA's warps through shared memory
+        smem = cutlass.utils.SmemAllocator()
+        vals = self.values_per_lane
+        if const_expr(self.warps_k > 1):
+            red = smem.allocate_tensor(
+                Float32,
+                cute.make_layout((self.warps_k, WARP_THREADS, vals)),
+                byte_alignment=16,
+            )
+        flag = smem.allocate_tensor(Int32, cute.make_layout((WARP_THREADS,)), 4)
+        rstd = smem.allocate_tensor(Float32, cute.make_layout((MAX_TOKENS,)), 4)
+        if const_expr(self.warps_k > 1):
+            for h in cutlass.range_constexpr(halves):
+                for v in cutlass.range_constexpr(4):
+                    red[warp, lane, 4 * h + v] = acc[h][v]
+            cute.arch.sync_threads()
+        if tidx < WARP_THREADS:
+            flag[tidx] = Int32(0)
+
+        total = cute.make_rmem_tensor((vals,), Float32)
+        if warp == 0:
+            if const_expr(self.warps_k > 1):
+                for v in cutlass.range_constexpr(vals):
+                    total[v] = red[0, lane, v]
+                for w in cutlass.range_constexpr(1, self.warps_k):
+                    for v in cutlass.range_constexpr(vals):
+                        total[v] = total[v] + red[w, lane, v]
+            else:
+                for h in cutlass.range_constexpr(halves):
+                    for v in cutlass.range_constexpr(4):
+                        total[4 * h + v] = acc[h][v]
+            if const_expr(self.split_k > 1):
+                self._split_k_reduce_and_epilogue(
+                    total, tile, split, lane, quad_row, quad_lane, m,
+                    out_ptr, residual_ptr, residual_out_ptr, partial_ptr,
+                    counter_ptr, sumsq_ptr, flag,
+                )  # fmt: skip
+            else:
+                self._epilogue(
+                    total, tile, lane, quad_row, quad_lane, m,
+                    out_ptr, residual_ptr, residual_out_ptr, counter_ptr,
+                    sumsq_ptr, flag,
+                )  # fmt: skip
+
+        if const_expr(self.epilogue == EPILOGUE_RESIDUAL_RMSNORM):
+            cute.arch.sync_threads()
+            if flag[0] == 1:
+                self._normalize_rows(
+                    tidx, m, residual_out_ptr, gamma_ptr, out_ptr, counter_ptr,
+                    sumsq_ptr, rstd,
+                )  # fmt: skip
+
+    @cute.jit
+    def _split_k_reduce_and_epilogue(
+        self, total, tile, split, lane, quad_row, quad_lane, m,
+        out_ptr, residual_ptr, residual_out_ptr, partial_ptr, counter_ptr,
+        sumsq_ptr, flag,
+    ):  # fmt: skip
+        vals = self.values_per_lane
+        # partial[tile, split, lane, v]: lane-major so a warp's store is coalesced.
+        partials = cute.make_tensor(
+            partial_ptr,
+            cute.make_layout(
+                (self.num_tiles, self.split_k, WARP_THREADS, vals),
+                stride=(
+                    self.split_k * WARP_THREADS * vals,
+                    WARP_THREADS * vals,
+                    vals,
+                    1,
+                ),
+            ),
+        )
+        counters = cute.make_tensor(
+            counter_ptr, cute.make_layout((self.num_tiles + 1,))
+        )
+        for v in cutlass.range_constexpr(vals):
+            partials[tile, split, lane, v] = total[v]
+        # Publish the partial before taking a ticket (release), and make the
+        # other CTAs' partials visible to the last one (acquire).
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        ticket = Int32(0)
+        if lane == 0:
+            ticket = cute.arch.atomic_add(
+                counters.iterator + tile, Int32(1), sem="acq_rel", scope="gpu"
+            )
+        ticket = cute.arch.shuffle_sync(ticket, 0)
+        if ticket == self.split_k - 1:
+            cute.arch.fence_acq_rel_gpu()
+            # Fixed summation order (split 0, 1, ...) keeps results reproducible.
+            for v in cutlass.range_constexpr(vals):
+                total[v] = partials[tile, 0, lane, v]
+            for s in cutlass.range_constexpr(1, self.split_k):
+                for v in cutlass.range_constexpr(vals):
+                    total[v] = total[v] + partials[tile, s, lane, v]
+            if lane == 0:
+                # Re-arm for the next launch (graph replay): every CTA of this
+                # tile has taken its ticket.
+                counters[tile] = Int32(0)
+            self._epilogue(
+                total, tile, lane, quad_row, quad_lane, m,
+                out_ptr, residual_ptr, residual_out_ptr, counter_ptr, sumsq_ptr,
+                flag,
+            )  # fmt: skip
+
+    @cute.jit
+    def _epilogue(
+        self, total, tile, lane, quad_row, quad_lane, m,
+        out_ptr, residual_ptr, residual_out_ptr, counter_ptr, sumsq_ptr, flag,
+    ):  # fmt: skip
+        n = self.n
+        # total[4h + v]: v=0/1 -> row g, tokens 2t/2t+1; v=2/3 -> row g+8.
+        if const_expr(self.epilogue == EPILOGUE_PLAIN):
+            out = cute.make_tensor(
+                out_ptr, cute.make_layout((MAX_TOKENS, n), stride=(n, 1))
+            )
+            for h in cutlass.range_constexpr(self.halves):
+                for v in cutlass.range_constexpr(4):
+                    token = h * TOKENS_PER_MMA + 2 * quad_lane + (v % 2)
+                    row = tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * (v // 2)
+                    if token < m and row < n:
+                        out[token, row] = total[4 * h + v].to(BFloat16)
+        elif const_expr(self.epilogue == EPILOGUE_SILU_MUL):
+            cols = self.out_cols
+            out = cute.make_tensor(
+                out_ptr, cute.make_layout((MAX_TOKENS, cols), stride=(cols, 1))
+            )
+            # Packed tile rows 0-7 are gate rows, 8-15 the matching up rows.
+            col = tile * TOKENS_PER_MMA + quad_row
+            for h in cutlass.range_constexpr(self.halves):
+                for v in cutlass.range_constexpr(2):
+                    token = h * TOKENS_PER_MMA + 2 * quad_lane + v
+                    gate = total[4 * h + v]
+                    up = total[4 * h + 2 + v]
+                    silu = gate / (Float32(1.0) + cute.math.exp(-gate, fastmath=True))
+                    if token < m and col < cols:
+                        out[token, col] = (silu * up).to(BFloat16)
+        else:
+            self._residual_epilogue(
+                total, tile, lane, quad_row, quad_lane, m, residual_ptr,
+                residual_out_ptr, counter_ptr, sumsq_ptr, flag,
+            )  # fmt: skip
+
+    @cute.jit
+    def _residual_epilogue(
+        self, total, tile, lane, quad_row, quad_lane, m, residual_ptr,
+        residual_out_ptr, counter_ptr, sumsq_ptr, flag,
+    ):  # fmt: skip
+        n = self.n
+        layout = cute.make_layout((MAX_TOKENS, n), stride=(n, 1))
+        residual = cute.make_tensor(residual_ptr, layout)
+        residual_out = cute.make_tensor(residual_out_ptr, layout)
+        counters = cute.make_tensor(
+            counter_ptr, cute.make_layout((self.num_tiles + 1,))
+        )
+        sumsq = cute.make_tensor(sumsq_ptr, cute.make_layout((MAX_TOKENS,)))
+        squares = cute.make_rmem_tensor((self.values_per_lane,), Float32)
+        for h in cutlass.range_constexpr(self.halves):
+            for v in cutlass.range_constexpr(4):
+                token = h * TOKENS_PER_MMA + 2 * quad_lane + (v % 2)
+                row = tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * (v // 2)
+                squares[4 * h + v] = Float32(0.0)
+                if token < m and row < n:
+                    # The new residual is stored in bf16, and the norm is taken
+                    # of exactly what is stored (as vLLM's fused_add_rms_norm).
+                    hidden = (total[4 * h + v] + residual[token, row].to(Float32)).to(
+                        BFloat16
+                    )
+                    residual_out[token, row] = hidden
+                    hidden_f32 = hidden.to(Float32)
+                    squares[4 * h + v] = hidden_f32 * hidden_f32
+        for h in cutlass.range_constexpr(self.halves):
+            for p in cutlass.range_constexpr(2):
+                token = h * TOKENS_PER_MMA + 2 * quad_lane + p
+                s = squares[4 * h + p] + squares[4 * h + 2 + p]
+                # Sum over the 8 quad rows (lane bits 2..4) of this tile.
+                for offset in cutlass.range_constexpr(3):
+                    s = s + cute.arch.shuffle_sync_bfly(s, 4 << offset)
+                if quad_row == 0 and token < m:
+                    cute.arch.atomic_add(sumsq.iterator + token, s, scope="gpu")
+        # Release this tile's residual slice and squares, then take a ticket;
+        # the last tile of the grid normalises every row.
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        ticket = Int32(0)
+        if lane == 0:
+            ticket = cute.arch.atomic_add(
+                counters.iterator + self.num_tiles, Int32(1), sem="acq_rel", scope="gpu"
+            )
+        ticket = cute.arch.shuffle_sync(ticket, 0)
+        # Nested rather than `and`: DSL conditions on run-time values lower
+        # to one scf.if each.
+        if lane == 0:  # noqa: SIM102
+            if ticket == self.num_tiles - 1:
+                flag[0] = Int32(1)
+
+    @cute.jit
+    def _normalize_rows(
+        self, tidx, m, residual_out_ptr, gamma_ptr, out_ptr, counter_ptr, sumsq_ptr,
+        rstd,
+    ):  # fmt: skip
+        n = self.n
+        row_chunks = n // CHUNK
+        cute.arch.fence_acq_rel_gpu()
+        counters = cute.make_tensor(
+            counter_ptr, cute.make_layout((self.num_tiles + 1,))
+        )
+        sumsq = cute.make_tensor(sumsq_ptr, cute.make_layout((MAX_TOKENS,)))
+        if tidx < MAX_TOKENS:
+            # Read through an atomic so the value comes from L2, then re-arm.
+            total_sq = cute.arch.atomic_add(
+                sumsq.iterator + tidx, Float32(0.0), scope="gpu"
+            )
+            rstd[tidx] = cute.math.rsqrt(total_sq / Float32(n) + Float32(self.eps))
+            sumsq[tidx] = Float32(0.0)
+        if tidx == 0:
+            counters[self.num_tiles] = Int32(0)
+        cute.arch.sync_threads()
+        chunk_layout = cute.make_layout(
+            (MAX_TOKENS, row_chunks, CHUNK), stride=(n, CHUNK, 1)
+        )
+        hidden = cute.make_tensor(residual_out_ptr, chunk_layout)
+        out = cute.make_tensor(out_ptr, chunk_layout)
+        gamma = cute.make_tensor(
+            gamma_ptr, cute.make_layout((row_chunks, CHUNK), stride=(CHUNK, 1))
+        )
+        work = self.m_bucket * row_chunks
+        iters = _ceil_div(work, self.threads)
+        for start in cutlass.range_constexpr(0, iters, NORM_LOADS_IN_FLIGHT):
+            batch = min(NORM_LOADS_IN_FLIGHT, iters - start)
+            hs = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
+            gs = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
+            for j in cutlass.range_constexpr(batch):
+                item = tidx + (start + j) * self.threads
+                token = item // row_chunks
+                chunk = item % row_chunks
+                if token < m:
+                    cute.autovec_copy(hidden[token, chunk, None], hs[j])
+                    cute.autovec_copy(gamma[chunk, None], gs[j])
+            for j in cutlass.range_constexpr(batch):
+                item = tidx + (start + j) * self.threads
+                token = item // row_chunks
+                chunk = item % row_chunks
+                if token < m:
+                    scale = rstd[token]
+                    res = cute.make_rmem_tensor((CHUNK,), BFloat16)
+                    for e in cutlass.range_constexpr(CHUNK):
+                        normed = (hs[j][e].to(Float32) * scale).to(BFloat16)
+                        res[e] = (normed.to(Float32) * gs[j][e].to(Float32)).to(
+                            BFloat16
+                        )
+                    cute.autovec_copy(res, out[token, chunk, None])

@@ -1,0 +1,330 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Bind a decode weight once; launch the skinny CuTe DSL GEMM per step.
+
+``PreparedGemm(weight, epilogue=...)`` validates and (for ``silu_mul``) packs
+the weight once, allocates the small FP32 split-K workspace and the atomic
+counters the kernel re-arms itself, and compiles one kernel per M-bucket on
+first use (cached process-wide per (N, K, M-bucket, epilogue, config)).
+``run()`` then only validates its inputs, builds raw pointers and launches on
+the current stream: no host sync, no allocation, so it can be captured in a
+CUDA graph and replayed.
+
+One ``PreparedGemm`` owns one workspace: do not run the same instance
+concurrently on two streams.
+"""
+
+import time
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from ..common.host import gmem_ptr
+from .kernel import (
+    CHUNK,
+    EPILOGUE_PLAIN,
+    EPILOGUE_RESIDUAL_RMSNORM,
+    EPILOGUE_SILU_MUL,
+    EPILOGUES,
+    LANES_PER_QUAD,
+    MAX_TOKENS,
+    ROWS_PER_TILE,
+    TOKENS_PER_MMA,
+    WARP_THREADS,
+    SkinnyGemmKernel,
+)
+
+# Launch heuristic, from config sweeps on the H200 (docs/perf/gemm_sweep.md):
+# * 4-warp CTAs beat 8-warp CTAs at equal split-K on every swept shape
+#   (e.g. N=2304, K=4096: 7.7 vs 9.7 us at M=1, 8.5 vs 12.6 us at M=16): a
+#   warp that streams more K-steps amortises its start-up and reduction;
+# * a grid split-K costs ~1.5 us (partials to L2, fence, ticket, re-read), so
+#   shapes with enough 16-row tiles run unsplit (N=2304, K=1024: 2.3 us
+#   unsplit vs 3.7 us split 2); only few-tile or long-K shapes are split, to
+#   ~TARGET_WARPS_PER_SM resident warps (N=2304, K=4096/9216; N=576).
+TARGET_WARPS_PER_SM = 16
+WARPS_PER_CTA = 4
+# Unsplit needs at least this many tiles (half the SMs busy with 1 CTA) and
+# at most this many K-steps per warp.
+UNSPLIT_MIN_TILES_PER_SM = 0.5
+UNSPLIT_MAX_STEPS_PER_WARP = 24
+# K-steps per warp issued before their MMAs; 8 (M<=8) or 6 (M<=16) keeps the
+# staged fragments at ~96 registers per thread.
+UNROLL_BY_BUCKET = {TOKENS_PER_MMA: 8, MAX_TOKENS: 6}
+# Every warp gets at least this many K-steps, so the split-K reduction does
+# not cost more than the loads it parallelises.
+MIN_STEPS_PER_WARP = 3
+
+_COMPILED: dict[tuple, object] = {}
+COMPILE_SECONDS: dict[tuple, float] = {}
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    warps_k: int
+    split_k: int
+    unroll: int
+
+
+def m_bucket_for(m: int) -> int:
+    return TOKENS_PER_MMA if m <= TOKENS_PER_MMA else MAX_TOKENS
+
+
+def choose_config(n: int, k: int, m_bucket: int, num_sms: int) -> GemmConfig:
+    """4-warp CTAs; split K across CTAs only for few-tile or long-K shapes."""
+    tiles = -(-n // ROWS_PER_TILE)
+    total_steps = -(-(k // CHUNK) // LANES_PER_QUAD)
+    max_slices = max(1, total_steps // MIN_STEPS_PER_WARP)
+    # Tiny K (f_b/g_b: K=128, 4 steps) still gets 2 warps of 2 steps each.
+    warps_k = min(WARPS_PER_CTA, max(max_slices, min(2, total_steps // 2)))
+    unsplit_steps = -(-total_steps // warps_k)
+    if (
+        tiles >= num_sms * UNSPLIT_MIN_TILES_PER_SM
+        and unsplit_steps <= UNSPLIT_MAX_STEPS_PER_WARP
+    ):
+        split_k = 1
+    else:
+        wanted = num_sms * TARGET_WARPS_PER_SM / (tiles * warps_k)
+        split_k = max(1, min(round(wanted), max_slices // warps_k))
+    # Drop slices that would be left without K work after rounding up.
+    while split_k > 1 or warps_k > 1:
+        slices = warps_k * split_k
+        steps = -(-total_steps // slices)
+        if steps * (slices - 1) < total_steps:
+            break
+        if split_k > 1:
+            split_k -= 1
+        else:
+            warps_k -= 1
+    return GemmConfig(warps_k, split_k, UNROLL_BY_BUCKET[m_bucket])
+
+
+def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """Interleave a stacked ``[gate; up]`` weight ``[2I, K]`` in 8-row blocks.
+
+    Packed 16-row tile ``i`` holds gate rows ``8i..8i+7`` then up rows
+    ``8i..8i+7``, so the lane that accumulates gate row ``j`` also holds up row
+    ``j`` and the SiLU-and-mul epilogue needs no data exchange.  I is padded to
+    a multiple of 8 with zero rows (their outputs are never stored).
+    Returns a new contiguous ``[2 * ceil(I/8)*8, K]`` tensor.
+    """
+    if weight.dim() != 2 or weight.shape[0] % 2:
+        raise ValueError(
+            f"gate_up weight must be [2*I, K], got shape {tuple(weight.shape)}"
+        )
+    inter, k = weight.shape[0] // 2, weight.shape[1]
+    padded = -(-inter // TOKENS_PER_MMA) * TOKENS_PER_MMA
+    gate = weight.new_zeros(padded, k)
+    up = weight.new_zeros(padded, k)
+    gate[:inter] = weight[:inter]
+    up[:inter] = weight[inter:]
+    blocks = padded // TOKENS_PER_MMA
+    packed = torch.stack(
+        (
+            gate.view(blocks, TOKENS_PER_MMA, k),
+            up.view(blocks, TOKENS_PER_MMA, k),
+        ),
+        dim=1,
+    )
+    return packed.reshape(2 * padded, k).contiguous()
+
+
+def _ptr(t: torch.Tensor, dtype) -> cute.Pointer:
+    return gmem_ptr(t, dtype, assumed_align=16)
+
+
+def _check_tensor(name: str, t: torch.Tensor, shape: tuple, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the weight on {device}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned for vector loads")
+
+
+class PreparedGemm:
+    """``y = x @ weight.T`` (+ epilogue) for M <= 16 on SM90.
+
+    epilogue:
+      ``"plain"``: ``out[M, N] = x @ W^T``.
+      ``"silu_mul"``: ``weight`` is the stacked ``[gate; up]`` ``[2I, K]``;
+        ``out[M, I] = silu(x @ gate^T) * (x @ up^T)``.  Packed once here
+        (``extra_bytes`` reports the copy; the caller may drop the original).
+      ``"residual_rmsnorm"``: ``h = x @ W^T + residual`` (bf16) is written to
+        ``residual_out`` (may alias ``residual``) and
+        ``out = rmsnorm(h) * rmsnorm_weight`` with ``eps``.
+
+    use_pdl: launch with programmatic dependent launch (default): the kernel
+    starts loading weights while the preceding kernel of the stream drains and
+    waits for it (``griddepcontrol.wait``) before reading ``x`` or writing.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        epilogue: str = EPILOGUE_PLAIN,
+        rmsnorm_weight: torch.Tensor | None = None,
+        eps: float = 1e-5,
+        config: dict[int, GemmConfig] | None = None,
+        use_pdl: bool = True,
+    ):
+        if epilogue not in EPILOGUES:
+            raise ValueError(
+                f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}"
+            )
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError("weight must be a 2-D [N, K] torch.Tensor")
+        if not weight.is_cuda:
+            raise ValueError(f"weight must be on a CUDA device, got {weight.device}")
+        if weight.dtype != torch.bfloat16:
+            raise TypeError(f"weight must be bfloat16, got {weight.dtype}")
+        if not weight.is_contiguous():
+            raise ValueError("weight must be contiguous (nn.Linear [N, K] layout)")
+        n, k = weight.shape
+        if k % CHUNK:
+            raise ValueError(f"K={k} must be a multiple of {CHUNK} (16-byte rows)")
+        self.epilogue, self.k, self.eps = epilogue, k, eps
+        self.use_pdl = use_pdl
+        # Bytes this binding holds beyond the caller's weight: the packed copy
+        # for silu_mul (extra_bytes) and the split-K/RMSNorm workspace.
+        self.device = weight.device
+        self.extra_bytes = 0
+        if epilogue == EPILOGUE_SILU_MUL:
+            if n % 2:
+                raise ValueError(f"silu_mul weight must have an even N, got {n}")
+            self.out_features = n // 2
+            weight = pack_gate_up(weight)
+            self.extra_bytes = weight.numel() * weight.element_size()
+        else:
+            self.out_features = n
+        if epilogue == EPILOGUE_RESIDUAL_RMSNORM:
+            if rmsnorm_weight is None:
+                raise ValueError("residual_rmsnorm needs rmsnorm_weight")
+            if n % CHUNK:
+                raise ValueError(f"residual_rmsnorm needs N % {CHUNK} == 0, got {n}")
+            _check_tensor("rmsnorm_weight", rmsnorm_weight, (n,), self.device)
+            self.gamma = rmsnorm_weight
+        elif rmsnorm_weight is not None:
+            raise ValueError(
+                f"rmsnorm_weight is only used by {EPILOGUE_RESIDUAL_RMSNORM}"
+            )
+        else:
+            self.gamma = weight  # never read; any valid pointer
+        if weight.data_ptr() % 16:
+            raise ValueError("weight must be 16-byte aligned")
+        self.weight = weight
+        self.n_packed = weight.shape[0]
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.configs = {
+            b: (config or {}).get(b) or choose_config(self.n_packed, k, b, num_sms)
+            for b in (TOKENS_PER_MMA, MAX_TOKENS)
+        }
+        tiles = -(-self.n_packed // ROWS_PER_TILE)
+        max_split = max(c.split_k for c in self.configs.values())
+        # FP32 partials [tile, split, lane, 8 values], only read or written
+        # when K is split across CTAs (else a 16-byte placeholder pointer);
+        # counters[tile] for split-K tickets plus one grid-wide ticket for the
+        # RMSNorm pass.
+        partial_elems = tiles * max_split * WARP_THREADS * 8 if max_split > 1 else 4
+        self.partials = torch.empty(
+            partial_elems, dtype=torch.float32, device=self.device
+        )
+        self.workspace_bytes = 4 * (partial_elems + tiles + 1 + MAX_TOKENS)
+        self.counters = torch.zeros(tiles + 1, dtype=torch.int32, device=self.device)
+        self.sumsq = torch.zeros(MAX_TOKENS, dtype=torch.float32, device=self.device)
+        self._static_ptrs = (
+            _ptr(self.weight, cutlass.BFloat16),
+            _ptr(self.gamma, cutlass.BFloat16),
+            _ptr(self.partials, cutlass.Float32),
+            _ptr(self.counters, cutlass.Int32),
+            _ptr(self.sumsq, cutlass.Float32),
+        )
+        self._fns: dict[int, object] = {}
+
+    # ------------------------------------------------------------- compiling
+    def _key(self, bucket: int) -> tuple:
+        c = self.configs[bucket]
+        return (
+            self.n_packed, self.k, self.out_features, bucket, self.epilogue, c,
+            self.eps, self.use_pdl,
+        )  # fmt: skip
+
+    def compile(self, buckets=(TOKENS_PER_MMA, MAX_TOKENS)) -> dict[int, float]:
+        """Compile (or fetch from the process cache); returns seconds per bucket."""
+        seconds = {}
+        for bucket in buckets:
+            key = self._key(bucket)
+            if key not in _COMPILED:
+                c = self.configs[bucket]
+                kern = SkinnyGemmKernel(
+                    self.n_packed, self.k, bucket, self.epilogue,
+                    c.warps_k, c.split_k, c.unroll, self.eps,
+                    out_cols=self.out_features, use_pdl=self.use_pdl,
+                )  # fmt: skip
+                bf16 = _ptr(self.weight, cutlass.BFloat16)
+                w, g, p, cnt, sq = self._static_ptrs
+                start = time.perf_counter()
+                _COMPILED[key] = cute.compile(
+                    kern, bf16, w, bf16, bf16, bf16, g, p, cnt, sq,
+                    cutlass.Int32(1), cuda.CUstream(0),
+                )  # fmt: skip
+                COMPILE_SECONDS[key] = time.perf_counter() - start
+            self._fns[bucket] = _COMPILED[key]
+            seconds[bucket] = COMPILE_SECONDS[key]
+        return seconds
+
+    # --------------------------------------------------------------- running
+    def run(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Launch on the current stream; returns ``out``.  Raises before launch
+        on wrong dtype/shape/device, non-contiguous or misaligned tensors."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError("x must be a 2-D [M, K] torch.Tensor")
+        m = x.shape[0]
+        if not 1 <= m <= MAX_TOKENS:
+            raise ValueError(f"M={m} is outside 1..{MAX_TOKENS} (skinny decode GEMM)")
+        if x.shape[1] != self.k:
+            raise ValueError(f"K mismatch: x has K={x.shape[1]}, weight K={self.k}")
+        _check_tensor("x", x, (m, self.k), self.device)
+        _check_tensor("out", out, (m, self.out_features), self.device)
+        w, g, p, cnt, sq = self._static_ptrs
+        if self.epilogue == EPILOGUE_RESIDUAL_RMSNORM:
+            if residual is None or residual_out is None:
+                raise ValueError("residual_rmsnorm needs residual and residual_out")
+            _check_tensor("residual", residual, (m, self.out_features), self.device)
+            _check_tensor(
+                "residual_out", residual_out, (m, self.out_features), self.device
+            )
+            res_ptr = _ptr(residual, cutlass.BFloat16)
+            res_out_ptr = _ptr(residual_out, cutlass.BFloat16)
+        else:
+            if residual is not None or residual_out is not None:
+                raise ValueError(
+                    f"residual is only used by {EPILOGUE_RESIDUAL_RMSNORM}"
+                )
+            res_ptr = res_out_ptr = w  # never read or written
+        bucket = m_bucket_for(m)
+        fn = self._fns.get(bucket)
+        if fn is None:
+            self.compile((bucket,))
+            fn = self._fns[bucket]
+        stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        fn(
+            _ptr(x, cutlass.BFloat16), w, _ptr(out, cutlass.BFloat16),
+            res_ptr, res_out_ptr, g, p, cnt, sq, m, stream,
+        )  # fmt: skip
+        return out

@@ -1,0 +1,444 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fused Kimi Delta Attention (KDA) decode step for SM90, one launch per layer.
+
+Replaces stock vLLM 0.26.0's decode sequence (three ``causal_conv1d_update``,
+``fused_kda_gate``, ``fused_recurrent_kda``, gated RMSNorm, plus the memsets and
+copies between them) for one token per request:
+
+* width-4 causal conv + SiLU on the q, k and v channels of the head, reading
+  and shifting the bf16 conv state in place (vLLM's SD layout
+  ``[slot, 3 taps, 3*H*D]``; any tap/channel strides);
+* gate ``g = -exp(A_log[h]) * softplus(g1 + dt_bias)`` and ``beta =
+  sigmoid(b)``;
+* L2-normalised q (scaled by D^-0.5) and k;
+* the gated delta rule on the FP32 state ``S[v, k]`` of the slot, in place:
+  ``S <- exp(g)[k] * S``, ``v' = beta * (v - S k)``, ``S <- S + v' k^T``,
+  ``o = S q``;
+* ``RMSNorm(o) * w * sigmoid(g2)`` written as bf16.
+
+Grid: one CTA per (head, request row).  The whole 128x128 FP32 head state
+(64 KiB) lives in registers of the CTA's 8 (or 16) warps for the update: a
+warp owns 16 (8) value rows, a lane 4 consecutive keys of each row, so every
+state access is a 16-byte load/store and a warp touches 512 contiguous bytes
+per row.  One CTA per head (rather than several per head splitting the value
+rows) keeps the conv-state update race-free: the q/k conv channels of a head
+are read and rewritten by exactly one CTA.
+
+Both dot products of a row are taken on the decayed state in one pass:
+``o = S' q = S_d q + v' (k . q)`` with ``S' = S_d + v' k^T``, so the two warp
+reductions of a row run together instead of one after the other.
+
+Rounding points follow vLLM: the conv outputs are rounded to bf16 (stock
+``causal_conv1d_update`` returns bf16), and so is ``o`` before the norm (stock
+``fused_recurrent_kda`` writes a bf16 output that the gated RMSNorm reads).
+
+Memory round trips per CTA: the weights (before the PDL wait), the slot index,
+then every other load of the step at once (state, conv history, inputs),
+issued before any store that could alias them.
+
+Rows whose state index is <= 0 (the null block, or padding) read and write
+nothing: the branch covers every load of state, conv state and inputs.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+HEAD_DIM = 128
+# Width-4 causal conv: three past inputs are kept per channel.
+CONV_WIDTH = 4
+CONV_TAPS = CONV_WIDTH - 1
+# q, k and v: the conv state and conv weight hold the three streams in order.
+STREAMS = 3
+WARP_THREADS = 32
+# Default CTA: 8 warps x 16 value rows = 128 rows; 64 state floats per thread
+# stay in registers between the load and the store (128 registers: 2 CTAs/SM).
+# 16 warps x 8 rows is the other supported shape: 102 registers x 512 threads
+# fit one CTA per SM, and it measured slower at every batch on the H200
+# (docs/perf/kda_notes.md); kept as a tested option, not the default.
+WARPS = 8
+SUPPORTED_WARPS = (8, 16)
+# A lane holds 4 keys (one 16-byte FP32 vector); 32 lanes cover the 128 keys.
+KEYS_PER_LANE = HEAD_DIM // WARP_THREADS
+FP32_BYTES = 4
+# softplus(x) = x above this (as the stock fused_kda_gate, threshold 20).
+SOFTPLUS_THRESHOLD = 20.0
+L2NORM_EPS = 1e-6
+# Dynamic shared memory the kernel carves (SmemAllocator): conv outputs of q, k,
+# v and the decay (4 x 128 floats), o (128 floats), the per-warp sums of squares
+# and beta, each block 16-byte aligned (128 bytes of alignment slack).
+
+
+def smem_bytes(warps: int) -> int:
+    return (STREAMS + 2) * HEAD_DIM * 4 + warps * 4 + 16 + 128
+
+
+@cute.jit
+def _warp_sum(value):
+    # Butterfly: every lane ends with the sum over the warp.
+    for offset in cutlass.range_constexpr(5):
+        value = value + cute.arch.shuffle_sync_bfly(value, 16 >> offset)
+    return value
+
+
+class KdaDecodeKernel:
+    """Compile-time configuration of the fused KDA decode step.
+
+    Strides are in elements.  ``*_row_stride`` are the per-request strides of
+    the activation tensors (their last dim is contiguous); the state strides
+    inside a slot (head, value row) and the conv-state strides inside a slot
+    (tap, channel) are compile-time; the slot strides of both caches are
+    run-time Int64 arguments (a slot x page offset can pass 2^31 elements).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        qkv_row_strides: tuple[int, int, int],
+        g1_row_stride: int,
+        beta_row_stride: int,
+        g2_row_stride: int,
+        out_row_stride: int,
+        state_head_stride: int,
+        state_row_stride: int,
+        conv_tap_stride: int,
+        conv_channel_stride: int,
+        scale: float = HEAD_DIM**-0.5,
+        norm_eps: float = 1e-5,
+        use_pdl: bool = True,
+        warps: int = WARPS,
+    ):
+        if warps not in SUPPORTED_WARPS:
+            raise ValueError(f"warps must be one of {SUPPORTED_WARPS}, got {warps}")
+        self.warps = warps
+        self.rows_per_warp = HEAD_DIM // warps
+        if state_head_stride % KEYS_PER_LANE or state_row_stride % KEYS_PER_LANE:
+            raise ValueError(
+                "state head/row strides must be multiples of 4 floats (16-byte "
+                f"vectors), got {state_head_stride}, {state_row_stride}"
+            )
+        self.num_heads = num_heads
+        self.proj = num_heads * HEAD_DIM
+        self.qkv_row_strides = tuple(qkv_row_strides)
+        self.g1_row_stride = g1_row_stride
+        self.beta_row_stride = beta_row_stride
+        self.g2_row_stride = g2_row_stride
+        self.out_row_stride = out_row_stride
+        self.state_head_stride = state_head_stride
+        self.state_row_stride = state_row_stride
+        self.conv_tap_stride = conv_tap_stride
+        self.conv_channel_stride = conv_channel_stride
+        self.scale = scale
+        self.norm_eps = norm_eps
+        # Programmatic dependent launch: load this head's weights while the
+        # previous kernel of the stream drains; everything it may write
+        # (activations, slot indices, caches) is read after griddepcontrol.wait.
+        self.use_pdl = use_pdl
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,
+        k_ptr: cute.Pointer,
+        v_ptr: cute.Pointer,
+        g1_ptr: cute.Pointer,
+        beta_ptr: cute.Pointer,
+        g2_ptr: cute.Pointer,
+        conv_weight_ptr: cute.Pointer,
+        a_log_ptr: cute.Pointer,
+        dt_bias_ptr: cute.Pointer,
+        norm_weight_ptr: cute.Pointer,
+        slot_ptr: cute.Pointer,
+        conv_state_ptr: cute.Pointer,
+        state_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        batch: Int32,
+        conv_slot_stride: Int64,
+        state_slot_stride: Int64,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(
+            q_ptr,
+            k_ptr,
+            v_ptr,
+            g1_ptr,
+            beta_ptr,
+            g2_ptr,
+            conv_weight_ptr,
+            a_log_ptr,
+            dt_bias_ptr,
+            norm_weight_ptr,
+            slot_ptr,
+            conv_state_ptr,
+            state_ptr,
+            out_ptr,
+            conv_slot_stride,
+            state_slot_stride,
+        ).launch(  # fmt: skip
+            grid=[self.num_heads, batch, 1],
+            block=[self.warps * WARP_THREADS, 1, 1],
+            smem=smem_bytes(self.warps),
+            stream=stream,
+            use_pdl=self.use_pdl,
+        )
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(
+        self,
+        q_ptr: cute.Pointer,
+        k_ptr: cute.Pointer,
+        v_ptr: cute.Pointer,
+        g1_ptr: cute.Pointer,
+        beta_ptr: cute.Pointer,
+        g2_ptr: cute.Pointer,
+        conv_weight_ptr: cute.Pointer,
+        a_log_ptr: cute.Pointer,
+        dt_bias_ptr: cute.Pointer,
+        norm_weight_ptr: cute.Pointer,
+        slot_ptr: cute.Pointer,
+        conv_state_ptr: cute.Pointer,
+        state_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        conv_slot_stride: Int64,
+        state_slot_stride: Int64,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        head, row, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % WARP_THREADS
+        if const_expr(self.use_pdl):
+            # Let the next kernel start its own weight loads early; it waits
+            # for this grid before reading anything written here.
+            cute.arch.griddepcontrol_launch_dependents()
+
+        proj = self.proj
+        smem = cutlass.utils.SmemAllocator()
+        # Conv outputs (fp32 of the bf16-rounded values) for q, k, v; the
+        # per-key decay exp(g); the norm's per-warp sums of squares; beta; o.
+        qkv_s = smem.allocate_tensor(
+            Float32,
+            cute.make_layout(
+                (STREAMS, WARP_THREADS, KEYS_PER_LANE),
+                stride=(HEAD_DIM, KEYS_PER_LANE, 1),
+            ),
+            byte_alignment=16,
+        )
+        decay_s = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((WARP_THREADS, KEYS_PER_LANE), stride=(KEYS_PER_LANE, 1)),
+            byte_alignment=16,
+        )
+        o_s = smem.allocate_tensor(Float32, cute.make_layout((HEAD_DIM,)), 16)
+        sumsq_s = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
+        beta_s = smem.allocate_tensor(Float32, cute.make_layout((1,)), 16)
+
+        # ---- weights: independent of the previous kernel, loaded before the
+        # PDL wait.  Threads 0..127 each own one channel d of the head.
+        d = tidx % HEAD_DIM
+        channel = head * HEAD_DIM + d
+        conv_w = cute.make_tensor(
+            conv_weight_ptr,
+            cute.make_layout((STREAMS * proj, CONV_WIDTH), stride=(CONV_WIDTH, 1)),
+        )
+        taps_w = [cute.make_rmem_tensor((CONV_WIDTH,), Float32) for _ in range(3)]
+        for s in cutlass.range_constexpr(STREAMS):
+            cute.autovec_copy(conv_w[s * proj + channel, None], taps_w[s])
+        dt_bias = cute.make_tensor(dt_bias_ptr, cute.make_layout((proj,)))
+        a_log = cute.make_tensor(a_log_ptr, cute.make_layout((self.num_heads,)))
+        norm_w = cute.make_tensor(norm_weight_ptr, cute.make_layout((HEAD_DIM,)))
+        bias_d = dt_bias[channel]
+        neg_a = -cute.math.exp(a_log[head])
+        gamma_d = norm_w[d]
+
+        if const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_wait()
+
+        slots = cute.make_tensor(slot_ptr, cute.make_layout((1 << 30,)))
+        slot = slots[row]
+        if slot > 0:
+            # ---- state loads first: they are the long pole; the conv and
+            # gate work below runs while they are in flight.
+            state_addr = (
+                state_ptr.toint()
+                + (Int64(slot) * state_slot_stride + head * self.state_head_stride)
+                * FP32_BYTES
+            )
+            state_base = cute.make_ptr(
+                Float32, state_addr, cute.AddressSpace.gmem, assumed_align=16
+            )
+            state = cute.make_tensor(
+                state_base,
+                cute.make_layout(
+                    (HEAD_DIM, WARP_THREADS, KEYS_PER_LANE),
+                    stride=(self.state_row_stride, KEYS_PER_LANE, 1),
+                ),
+            )
+            rows = [
+                cute.make_rmem_tensor((KEYS_PER_LANE,), Float32)
+                for _ in range(self.rows_per_warp)
+            ]
+            first_row = warp * self.rows_per_warp
+            for i in cutlass.range_constexpr(self.rows_per_warp):
+                cute.autovec_copy(state[first_row + i, lane, None], rows[i])
+
+            # ---- every other load of the step, issued before any result is
+            # used or any conv-state store (which could alias them), so the
+            # whole step costs one memory round trip after the slot index.
+            inputs = cute.make_rmem_tensor((STREAMS,), BFloat16)
+            history = cute.make_rmem_tensor((STREAMS, CONV_TAPS), BFloat16)
+            gate_in = cute.make_rmem_tensor((2,), BFloat16)  # g1, g2
+            conv = self._conv_page(conv_state_ptr, slot, conv_slot_stride)
+            if tidx < HEAD_DIM:
+                self._load_channel(
+                    row, channel, q_ptr, k_ptr, v_ptr, g1_ptr, g2_ptr, conv,
+                    inputs, history, gate_in,
+                )  # fmt: skip
+                self._conv_and_gate(
+                    d, channel, taps_w, bias_d, neg_a, conv, inputs, history,
+                    gate_in, qkv_s, decay_s,
+                )  # fmt: skip
+            if tidx == HEAD_DIM:
+                betas = cute.make_tensor(beta_ptr, cute.make_layout((1 << 30,)))
+                logit = betas[row * self.beta_row_stride + head].to(Float32)
+                beta_s[0] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit))
+            gate_out = gate_in[1].to(Float32)
+            cute.arch.sync_threads()
+
+            # ---- this lane's 4 keys of q, k and the decay; the norms are
+            # warp reductions (each warp recomputes them: no extra barrier).
+            q4 = cute.make_rmem_tensor((KEYS_PER_LANE,), Float32)
+            k4 = cute.make_rmem_tensor((KEYS_PER_LANE,), Float32)
+            decay4 = cute.make_rmem_tensor((KEYS_PER_LANE,), Float32)
+            cute.autovec_copy(qkv_s[0, lane, None], q4)
+            cute.autovec_copy(qkv_s[1, lane, None], k4)
+            cute.autovec_copy(decay_s[lane, None], decay4)
+            sq_q = Float32(0.0)
+            sq_k = Float32(0.0)
+            for e in cutlass.range_constexpr(KEYS_PER_LANE):
+                sq_q = sq_q + q4[e] * q4[e]
+                sq_k = sq_k + k4[e] * k4[e]
+            sq_q = _warp_sum(sq_q)
+            sq_k = _warp_sum(sq_k)
+            q_scale = Float32(self.scale) / cute.math.sqrt(sq_q + Float32(L2NORM_EPS))
+            k_scale = Float32(1.0) / cute.math.sqrt(sq_k + Float32(L2NORM_EPS))
+            kq = Float32(0.0)
+            for e in cutlass.range_constexpr(KEYS_PER_LANE):
+                q4[e] = q4[e] * q_scale
+                k4[e] = k4[e] * k_scale
+                kq = kq + q4[e] * k4[e]
+            kq = _warp_sum(kq)
+            beta = beta_s[0]
+
+            # ---- decay, then both dot products of every row in one pass.
+            dot_k = cute.make_rmem_tensor((self.rows_per_warp,), Float32)
+            dot_q = cute.make_rmem_tensor((self.rows_per_warp,), Float32)
+            for i in cutlass.range_constexpr(self.rows_per_warp):
+                acc_k = Float32(0.0)
+                acc_q = Float32(0.0)
+                for e in cutlass.range_constexpr(KEYS_PER_LANE):
+                    rows[i][e] = rows[i][e] * decay4[e]
+                    acc_k = acc_k + rows[i][e] * k4[e]
+                    acc_q = acc_q + rows[i][e] * q4[e]
+                dot_k[i] = acc_k
+                dot_q[i] = acc_q
+            # Interleaved butterflies: 32 independent reductions in flight.
+            for offset in cutlass.range_constexpr(5):
+                for i in cutlass.range_constexpr(self.rows_per_warp):
+                    dot_k[i] = dot_k[i] + cute.arch.shuffle_sync_bfly(
+                        dot_k[i], 16 >> offset
+                    )
+                    dot_q[i] = dot_q[i] + cute.arch.shuffle_sync_bfly(
+                        dot_q[i], 16 >> offset
+                    )
+
+            # ---- delta-rule update, store, and o (rounded to bf16 as stock).
+            sq_o = Float32(0.0)
+            for i in cutlass.range_constexpr(self.rows_per_warp):
+                value_row = first_row + i
+                v_in = qkv_s[2, value_row // KEYS_PER_LANE, value_row % KEYS_PER_LANE]
+                delta = beta * (v_in - dot_k[i])
+                for e in cutlass.range_constexpr(KEYS_PER_LANE):
+                    rows[i][e] = rows[i][e] + delta * k4[e]
+                cute.autovec_copy(rows[i], state[value_row, lane, None])
+                o_val = (dot_q[i] + delta * kq).to(BFloat16).to(Float32)
+                sq_o = sq_o + o_val * o_val
+                if lane == i:
+                    o_s[value_row] = o_val
+            if lane == 0:
+                sumsq_s[warp] = sq_o
+            cute.arch.sync_threads()
+
+            # ---- gated RMSNorm over the head's 128 outputs.
+            if tidx < HEAD_DIM:
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(self.warps):
+                    total = total + sumsq_s[w]
+                rstd = cute.math.rsqrt(
+                    total / Float32(HEAD_DIM) + Float32(self.norm_eps)
+                )
+                gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-gate_out))
+                normed = o_s[d] * rstd * gamma_d.to(Float32) * gate
+                out = cute.make_tensor(out_ptr, cute.make_layout((1 << 30,)))
+                out[row * self.out_row_stride + channel] = normed.to(BFloat16)
+
+    @cute.jit
+    def _conv_page(self, conv_state_ptr, slot, conv_slot_stride):
+        """[tap, channel] view of this slot's conv state (64-bit slot offset)."""
+        conv_addr = (
+            conv_state_ptr.toint() + Int64(slot) * conv_slot_stride * 2  # bf16 bytes
+        )
+        conv_base = cute.make_ptr(
+            BFloat16, conv_addr, cute.AddressSpace.gmem, assumed_align=2
+        )
+        return cute.make_tensor(
+            conv_base,
+            cute.make_layout(
+                (CONV_TAPS, STREAMS * self.proj),
+                stride=(self.conv_tap_stride, self.conv_channel_stride),
+            ),
+        )
+
+    @cute.jit
+    def _load_channel(
+        self, row, channel, q_ptr, k_ptr, v_ptr, g1_ptr, g2_ptr, conv,
+        inputs, history, gate_in,
+    ):  # fmt: skip
+        """This thread's channel of q, k, v, its conv history, g1 and g2."""
+        sources = (q_ptr, k_ptr, v_ptr)
+        for s in cutlass.range_constexpr(STREAMS):
+            src = cute.make_tensor(sources[s], cute.make_layout((1 << 30,)))
+            inputs[s] = src[row * self.qkv_row_strides[s] + channel]
+            for t in cutlass.range_constexpr(CONV_TAPS):
+                history[s, t] = conv[t, s * self.proj + channel]
+        g1 = cute.make_tensor(g1_ptr, cute.make_layout((1 << 30,)))
+        g2 = cute.make_tensor(g2_ptr, cute.make_layout((1 << 30,)))
+        gate_in[0] = g1[row * self.g1_row_stride + channel]
+        gate_in[1] = g2[row * self.g2_row_stride + channel]
+
+    @cute.jit
+    def _conv_and_gate(
+        self, d, channel, taps_w, bias_d, neg_a, conv, inputs, history, gate_in,
+        qkv_s, decay_s,
+    ):  # fmt: skip
+        for s in cutlass.range_constexpr(STREAMS):
+            acc = taps_w[s][CONV_TAPS] * inputs[s].to(Float32)
+            for t in cutlass.range_constexpr(CONV_TAPS):
+                acc = acc + taps_w[s][t] * history[s, t].to(Float32)
+            # Shift the window: oldest tap out, this token's input in.
+            conv_channel = s * self.proj + channel
+            for t in cutlass.range_constexpr(CONV_TAPS - 1):
+                conv[t, conv_channel] = history[s, t + 1]
+            conv[CONV_TAPS - 1, conv_channel] = inputs[s]
+            silu = acc / (Float32(1.0) + cute.math.exp(-acc))
+            qkv_s[s, d // KEYS_PER_LANE, d % KEYS_PER_LANE] = silu.to(BFloat16).to(
+                Float32
+            )
+        pre = gate_in[0].to(Float32) + bias_d
+        softplus = cute.math.log(Float32(1.0) + cute.math.exp(pre))
+        if pre > Float32(SOFTPLUS_THRESHOLD):
+            softplus = pre
+        decay_s[d // KEYS_PER_LANE, d % KEYS_PER_LANE] = cute.math.exp(neg_a * softplus)

@@ -1,0 +1,299 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Benchmark the fused KDA decode step (kernels/kda) on the H200.
+
+For batch in {1,2,4,8,16,32,64} (Kimi-Linear: 32 heads x 128), in one process:
+  * ours: PreparedKda.run, one launch per layer-step (PDL on);
+  * baseline: the stock decode sequence as batched torch ops
+    (tests/kernels/kda_reference.vectorized_step: three conv updates, gate,
+    recurrence, gated RMSNorm), used where vLLM's own Triton kernels are not
+    importable -- the GPU host has no vLLM, so the report says which ran.
+Timing: L layer-steps, each on its own layer's caches (L chosen so the
+touched state is >= 3x the 60 MB L2, so state comes from HBM as in a decode
+step), are captured in one CUDA graph; the graph is replayed with CUDA events
+around each replay; time per layer-step = median replay / L.
+Bytes per layer-step: state read + write (B x 32 x 128 x 128 x 4 B x 2), conv
+state read + write, inputs (q, k, v, g1, g2, beta) and output, and the layer's
+weights.  state_bw_frac = state bytes / time / 4.25 TB/s (the measured read
+ceiling, KERNEL_NOTES.md).
+
+Writes <out-dir>/kda.json (top-level "summary": speedup_b1,
+state_bw_frac_b16plus, gpu, date, command, baseline) and kda.md.
+
+    python3 scripts/bench_kda.py --out-dir docs/perf
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+from kda_reference import vectorized_step  # noqa: E402
+
+from kernels.kda.kernel import HEAD_DIM  # noqa: E402
+from kernels.kda.prepared import PreparedKda  # noqa: E402
+
+HBM_TBPS = 4.25
+L2_BYTES = 60 * 2**20
+HEADS = 32
+PROJ = HEADS * HEAD_DIM
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+MAX_LAYERS = 96
+# Stock vLLM 0.26.0 at batch 1 on this H200 (baselines/stock_vllm_0.26.0_h200.md,
+# torch profiler, 20 KDA layers): causal_conv1d_update 0.14 ms, fused_recurrent
+# 0.08, kda_gate 0.04 per step -- 13 us per layer before the gated RMSNorm and
+# the memsets/copies, which the profile does not break out per layer.
+STOCK_PROFILE_US_B1 = (0.14 + 0.08 + 0.04) * 1000 / 20
+
+
+class Layer:
+    def __init__(self, batch, gen, warps=8):
+        dev = "cuda"
+        self.conv_weight = torch.randn(3, PROJ, 4, device=dev, generator=gen) * 0.5
+        self.a_log = torch.rand(HEADS, device=dev, generator=gen) * 2 - 1.5
+        self.dt_bias = torch.randn(PROJ, device=dev, generator=gen) * 0.2 - 2.0
+        self.norm_weight = (1 + 0.1 * torch.randn(HEAD_DIM, device=dev, generator=gen)).to(
+            torch.bfloat16
+        )
+        slots = batch + 1  # slot 0 is the null block
+        self.conv_state = torch.randn(slots, 3, 3 * PROJ, device=dev, generator=gen).to(
+            torch.bfloat16
+        )
+        self.state = torch.randn(slots, HEADS, HEAD_DIM, HEAD_DIM, device=dev, generator=gen) * 0.1
+        self.prepared = PreparedKda(
+            tuple(w.view(PROJ, 1, 4) for w in self.conv_weight),
+            self.a_log, self.dt_bias, self.norm_weight, self.conv_state, self.state,
+            num_heads=HEADS,
+        )  # fmt: skip
+        # The same caches bound to the 16-warp variant of the kernel.
+        self.prepared16 = PreparedKda(
+            tuple(w.view(PROJ, 1, 4) for w in self.conv_weight),
+            self.a_log, self.dt_bias, self.norm_weight, self.conv_state, self.state,
+            num_heads=HEADS, warps=16,
+        )  # fmt: skip
+        self.copy_dst = torch.empty_like(self.state[1:])
+
+    def baseline(self, q, k, v, g1, beta, g2, slots, out):
+        vectorized_step(
+            q, k, v, g1, beta, g2, slots, self.conv_state, self.state,
+            self.conv_weight, self.a_log, self.dt_bias, self.norm_weight, HEADS, out,
+        )  # fmt: skip
+
+
+def layer_bytes(batch):
+    state = batch * HEADS * HEAD_DIM * HEAD_DIM * 4 * 2
+    conv = batch * 3 * 3 * PROJ * 2 * 2
+    inputs = batch * (5 * PROJ + HEADS + PROJ) * 2  # q k v g1 g2, beta, out
+    weights = 3 * PROJ * 4 * 4 + PROJ * 4 + HEADS * 4 + HEAD_DIM * 4
+    return state, state + conv + inputs + weights
+
+
+def time_graph(fn, layers, replays, warmup=3):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for layer in layers:
+            fn(layer)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in layers:
+            fn(layer)
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / len(layers))  # us per layer-step
+    return statistics.median(times), min(times), max(times)
+
+
+def bench_batch(batch, replays, gen):
+    state_b, total_b = layer_bytes(batch)
+    n_layers = min(MAX_LAYERS, max(2, math.ceil(3 * L2_BYTES / state_b)))
+    layers = [Layer(batch, gen) for _ in range(n_layers)]
+    rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16)  # noqa: E731
+    q, k, v, g1, g2 = (rnd(batch, PROJ) for _ in range(5))
+    beta = rnd(batch, HEADS)
+    slots = torch.arange(1, batch + 1, device="cuda", dtype=torch.int32)
+    out = torch.empty(batch, PROJ, device="cuda", dtype=torch.bfloat16)
+    out_ref = torch.empty_like(out)
+
+    # Sanity: one step of ours against the baseline from the same caches.
+    layer = layers[0]
+    conv0, state0 = layer.conv_state.clone(), layer.state.clone()
+    layer.prepared.run(q, k, v, g1, beta, g2, slots, out)
+    got_state = layer.state.clone()
+    layer.conv_state.copy_(conv0)
+    layer.state.copy_(state0)
+    layer.baseline(q, k, v, g1, beta, g2, slots, out_ref)
+    torch.cuda.synchronize()
+    out_err = float((out.float() - out_ref.float()).norm() / out_ref.float().norm())
+    state_err = float((got_state - layer.state).norm() / layer.state.norm())
+    if not (out_err < 5e-3 and state_err < 1e-4):
+        raise SystemExit(
+            f"batch {batch}: kernel disagrees with the baseline (out {out_err:.2e}, "
+            f"state {state_err:.2e}); not timing a wrong kernel"
+        )
+
+    ours = time_graph(
+        lambda lay: lay.prepared.run(q, k, v, g1, beta, g2, slots, out), layers, replays
+    )
+    ours16 = time_graph(
+        lambda lay: lay.prepared16.run(q, k, v, g1, beta, g2, slots, out), layers, replays
+    )
+    # Ceiling for this size: a device copy of the same state bytes (read +
+    # write), captured and rotated the same way.
+    copy = time_graph(lambda lay: lay.copy_dst.copy_(lay.state[1:]), layers, replays)
+    base = time_graph(
+        lambda lay: lay.baseline(q, k, v, g1, beta, g2, slots, out_ref), layers, replays
+    )
+    return {
+        "batch": batch,
+        "layers_in_graph": n_layers,
+        "ours_us": ours[0],
+        "ours_us_min": ours[1],
+        "ours_us_max": ours[2],
+        "ours_w16_us": ours16[0],
+        "ours_w16_us_min": ours16[1],
+        "state_copy_us": copy[0],
+        "baseline_us": base[0],
+        "baseline_us_min": base[1],
+        "speedup": base[0] / ours[0],
+        "state_bytes": state_b,
+        "total_bytes": total_b,
+        "state_bw_tbps": state_b / ours[0] / 1e6,
+        "total_bw_tbps": total_b / ours[0] / 1e6,
+        "state_bw_frac": state_b / ours[0] / 1e6 / HBM_TBPS,
+        "state_bw_frac_w16": state_b / ours16[0] / 1e6 / HBM_TBPS,
+        "state_copy_bw_frac": state_b / copy[0] / 1e6 / HBM_TBPS,
+        "check_out_rel_err": out_err,
+        "check_state_rel_err": state_err,
+    }
+
+
+def write_markdown(summary: dict, rows: list[dict], path: Path) -> None:
+    """kda.md from the measured numbers (also: --render-only from kda.json)."""
+    lines = [
+        "# Fused KDA decode step (kernels/kda) on the H200",
+        "",
+        f"{summary['gpu']}, {summary['date']}, `{summary['command']}`.",
+        "",
+        f"Baseline: {summary['baseline']}.",
+        f"Stock reference from the engine profile: {summary['stock_profile_us_b1']:.1f} "
+        "us per layer at batch 1 (conv + recurrence + gate kernels only; "
+        "baselines/stock_vllm_0.26.0_h200.md).",
+        "",
+        "Time per layer-step: median over CUDA-graph replays of L layer-steps on "
+        "distinct caches (>= 3x L2), divided by L.  'ours' is the PreparedKda default "
+        "(8 warps per CTA), '16-warp' the alternative CTA shape on the same caches; "
+        "'state copy' is a device copy of the same state bytes (read + write), the "
+        "bandwidth ceiling for this size.",
+        "",
+        "| batch | ours us | 16-warp us | state copy us | baseline us | speedup | "
+        "state TB/s | state % of 4.25 | total TB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['batch']} | {r['ours_us']:.2f} | {r['ours_w16_us']:.2f} | "
+            f"{r['state_copy_us']:.2f} | {r['baseline_us']:.2f} | "
+            f"{r['speedup']:.2f} | {r['state_bw_tbps']:.2f} | "
+            f"{100 * r['state_bw_frac']:.0f}% | {r['total_bw_tbps']:.2f} |"
+        )
+    sb = summary["speedup_b1"]
+    bw = summary["state_bw_frac_b16plus"]
+    lines += [
+        "",
+        f"speedup_b1 = {sb:.2f} (target >= 3), vs the stock profile "
+        f"{summary['speedup_b1_vs_stock_profile']:.2f}; state_bw_frac_b16plus = "
+        f"{bw:.2f} (target >= 0.80)."
+        if sb is not None and bw is not None
+        else "summary incomplete: batch 1 or batch >= 16 not run",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "perf")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite kda.md from <out-dir>/kda.json without measuring",
+    )
+    args = ap.parse_args()
+    if args.render_only:
+        data = json.loads((args.out_dir / "kda.json").read_text())
+        write_markdown(data["summary"], data["rows"], args.out_dir / "kda.md")
+        return 0
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("error: needs an SM90 GPU", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        row = bench_batch(batch, args.replays, gen)
+        rows.append(row)
+        print(
+            f"B={batch:3d} L={row['layers_in_graph']:3d} ours {row['ours_us']:7.2f} us  "
+            f"w16 {row['ours_w16_us']:7.2f} us  copy {row['state_copy_us']:7.2f} us  "
+            f"baseline {row['baseline_us']:8.2f} us  x{row['speedup']:5.2f}  "
+            f"state {row['state_bw_tbps']:.2f} TB/s ({100 * row['state_bw_frac']:.0f}%)  "
+            f"total {row['total_bw_tbps']:.2f} TB/s",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    b1 = next((r for r in rows if r["batch"] == 1), None)
+    big = [r["state_bw_frac"] for r in rows if r["batch"] >= 16]
+    baseline = (
+        "batched torch ops of the stock sequence (tests/kernels/kda_reference."
+        "vectorized_step: 3 conv updates, gate, recurrence, gated RMSNorm; "
+        "gather/scatter of the slots' states) in a CUDA graph; vLLM 0.26.0's Triton "
+        "kernels were not importable on the GPU host"
+    )
+    summary = {
+        "speedup_b1": b1["speedup"] if b1 else None,
+        "state_bw_frac_b16plus": min(big) if big else None,
+        "speedup_b1_vs_stock_profile": STOCK_PROFILE_US_B1 / b1["ours_us"] if b1 else None,
+        "w16_speedup_b1": b1["baseline_us"] / b1["ours_w16_us"] if b1 else None,
+        "w16_state_bw_frac_b16plus": min(
+            (r["state_bw_frac_w16"] for r in rows if r["batch"] >= 16), default=None
+        ),
+        "kernel_config": "PreparedKda default (8 warps per CTA); w16_* = 16 warps",
+        "stock_profile_us_b1": STOCK_PROFILE_US_B1,
+        "gpu": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python3 " + " ".join(sys.argv),
+        "baseline": baseline,
+        "targets": {"speedup_b1": 3.0, "state_bw_frac_b16plus": 0.8},
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "kda.json").write_text(
+        json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n"
+    )
+    write_markdown(summary, rows, args.out_dir / "kda.md")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

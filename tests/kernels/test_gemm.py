@@ -1,0 +1,330 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Skinny CuTe DSL GEMM (kernels/gemm) against a pure-torch FP32 reference.
+
+Every Kimi-Linear-48B-A3B decode shape x M = 1..16 x each epilogue.  Needs an
+SM90 GPU and nvidia-cutlass-dsl; skips with the reason otherwise.
+
+Tolerances (bf16 output of an FP32-accumulated product; inputs drawn so every
+output is O(1)):
+  * elementwise |got - ref| <= ATOL + RTOL * |ref| with RTOL = 2e-2,
+    ATOL = 2e-2 (bf16 rounding of the output is 2^-9 relative; FP32
+    accumulation-order differences are ~1e-6 relative; RMSNorm and SiLU*up add
+    one more bf16 rounding of an intermediate, as the stock kernels do);
+  * normwise ||got - ref|| / ||ref|| <= 5e-3 (bf16 operands with FP32
+    accumulation land at ~2e-3 by METHOD.md's scale).
+"""
+
+import zlib
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (CuTe DSL) is not installed")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU: the skinny GEMM runs on SM90 only", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip(
+        f"needs an SM90 GPU, found {torch.cuda.get_device_name()}",
+        allow_module_level=True,
+    )
+
+from kernels.gemm.prepared import (  # noqa: E402
+    PreparedGemm,
+    choose_config,
+    pack_gate_up,
+)
+
+pytestmark = pytest.mark.gpu
+
+RTOL = 2e-2
+ATOL = 2e-2
+NORM_RTOL = 5e-3
+EPS = 1e-5
+
+# (name, N, K) of every decode projection of Kimi-Linear-48B-A3B, and the
+# epilogues each uses in the decode (all get "plain" too).
+SHAPES = {
+    "kda_in_qkv_b_fa_ga": (3 * 4096 + 32 + 128 + 128, 2304, ()),
+    "kda_f_b_g_b": (4096, 128, ()),
+    "kda_o_proj": (2304, 4096, ("residual_rmsnorm",)),
+    "mla_q_proj": (6144, 2304, ()),
+    "mla_kv_a_proj": (576, 2304, ()),
+    "mla_o_proj": (2304, 4096, ("residual_rmsnorm",)),
+    "shared_gate_up": (2048, 2304, ("silu_mul",)),
+    "shared_down": (2304, 1024, ("residual_rmsnorm",)),
+    "dense_gate_up": (18432, 2304, ("silu_mul",)),
+    "dense_down": (2304, 9216, ("residual_rmsnorm",)),
+    "lm_head": (163840, 2304, ()),
+}
+CASES = [
+    (name, ep)
+    for name, (_, _, eps) in SHAPES.items()
+    for ep in ("plain",) + eps
+    if name != "mla_o_proj"  # same (N, K) and epilogue as kda_o_proj
+] + [
+    # Every epilogue on one shape whose N is not a multiple of the 16-row tile
+    # and one whose K is not a multiple of the 32-wide K step.
+    ("ragged_n", "plain"),
+    ("ragged_n", "silu_mul"),
+    ("ragged_n", "residual_rmsnorm"),
+    ("ragged_k", "plain"),
+    # silu_mul through the grid split-K path (N=576 is split across CTAs).
+    ("mla_kv_a_proj", "silu_mul"),
+]
+EXTRA_SHAPES = {"ragged_n": (2 * 1000 + 8, 2304 + 8), "ragged_k": (1000, 2304 + 24)}
+
+_weights: dict = {}
+
+
+def _weight(name: str) -> torch.Tensor:
+    if name not in _weights:
+        n, k = EXTRA_SHAPES[name] if name in EXTRA_SHAPES else SHAPES[name][:2]
+        g = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))
+        w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+        _weights.clear()  # keep at most one (lm_head is 755 MB) resident
+        _weights[name] = w.to(torch.bfloat16)
+    return _weights[name]
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    got = got.float()
+    assert not torch.isnan(got).any(), f"{what}: NaN (unwritten output?)"
+    err = (got - ref).abs()
+    bad = err > ATOL + RTOL * ref.abs()
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} elements out of tolerance, worst "
+        f"{float(err.max()):.3e} at {tuple(int(i) for i in (err == err.max()).nonzero()[0])}"
+    )
+    rel = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+    assert rel <= NORM_RTOL, f"{what}: normwise relative error {rel:.2e}"
+
+
+def _reference(ep, x, w, residual=None, gamma=None):
+    y = x.float() @ w.float().t()
+    if ep == "plain":
+        return y, None
+    if ep == "silu_mul":
+        inter = w.shape[0] // 2
+        return torch.nn.functional.silu(y[:, :inter]) * y[:, inter:], None
+    hidden = (y + residual.float()).to(torch.bfloat16).float()
+    rstd = torch.rsqrt(hidden.pow(2).mean(dim=-1, keepdim=True) + EPS)
+    return hidden * rstd * gamma.float(), hidden
+
+
+def _inputs(ep, m, n, k, gen):
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    out_n = n // 2 if ep == "silu_mul" else n
+    out = torch.full((m, out_n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    residual = gamma = None
+    if ep == "residual_rmsnorm":
+        residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+        gamma = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(torch.bfloat16)
+    return x, out, residual, gamma
+
+
+@pytest.mark.parametrize("name,epilogue", CASES)
+def test_matches_fp32_reference_all_m(name, epilogue):
+    w = _weight(name)
+    n, k = w.shape
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    gamma = None
+    if epilogue == "residual_rmsnorm":
+        gamma = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(torch.bfloat16)
+    prepared = PreparedGemm(w, epilogue, rmsnorm_weight=gamma, eps=EPS)
+    prepared.compile()
+    for m in range(1, 17):
+        x, out, residual, _ = _inputs(epilogue, m, n, k, gen)
+        what = f"{name} {epilogue} M={m}"
+        if epilogue == "residual_rmsnorm":
+            residual_out = torch.full_like(residual, float("nan"))
+            prepared.run(x, out, residual=residual, residual_out=residual_out)
+            ref, ref_hidden = _reference(epilogue, x, w, residual, gamma)
+            torch.cuda.synchronize()
+            _close(residual_out, ref_hidden, what + " residual_out")
+            _close(out, ref, what + " normed")
+        else:
+            prepared.run(x, out)
+            ref, _ = _reference(epilogue, x, w)
+            torch.cuda.synchronize()
+            _close(out, ref, what)
+
+
+def test_residual_rmsnorm_in_place_and_repeated():
+    """residual_out may alias residual; counters/sums re-arm between launches."""
+    w = _weight("kda_o_proj")
+    n, k = w.shape
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    gamma = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(torch.bfloat16)
+    prepared = PreparedGemm(w, "residual_rmsnorm", rmsnorm_weight=gamma, eps=EPS)
+    for m in (1, 5, 16, 3):
+        x, out, residual, _ = _inputs("residual_rmsnorm", m, n, k, gen)
+        ref, ref_hidden = _reference("residual_rmsnorm", x, w, residual, gamma)
+        prepared.run(x, out, residual=residual, residual_out=residual)
+        torch.cuda.synchronize()
+        _close(residual, ref_hidden, f"in-place residual M={m}")
+        _close(out, ref, f"in-place normed M={m}")
+    assert int(prepared.counters.abs().sum()) == 0
+    assert float(prepared.sumsq.abs().sum()) == 0.0
+
+
+def test_plain_is_deterministic_with_split_k():
+    w = _weight("mla_kv_a_proj")  # small N: split across CTAs
+    cfg = choose_config(
+        w.shape[0],
+        w.shape[1],
+        8,
+        torch.cuda.get_device_properties(0).multi_processor_count,
+    )
+    assert cfg.split_k > 1, f"expected grid split-K for N=576, got {cfg}"
+    prepared = PreparedGemm(w)
+    x = torch.randn(4, w.shape[1], device="cuda").to(torch.bfloat16)
+    outs = [
+        prepared.run(x, torch.empty(4, w.shape[0], device="cuda", dtype=torch.bfloat16))
+        for _ in range(5)
+    ]
+    torch.cuda.synchronize()
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+def test_pack_gate_up_layout():
+    inter, k = 20, 16  # I not a multiple of 8: padded with zero rows
+    w = torch.arange(2 * inter * k, dtype=torch.float32).reshape(2 * inter, k)
+    w = w.to(torch.bfloat16)
+    packed = pack_gate_up(w)
+    assert packed.shape == (2 * 24, k) and packed.is_contiguous()
+    for block in range(3):
+        for r in range(8):
+            j = block * 8 + r
+            gate_row = packed[block * 16 + r]
+            up_row = packed[block * 16 + 8 + r]
+            if j < inter:
+                assert torch.equal(gate_row, w[j]) and torch.equal(up_row, w[inter + j])
+            else:
+                assert not gate_row.any() and not up_row.any()
+    with pytest.raises(ValueError, match="2\\*I"):
+        pack_gate_up(w[:-1])
+
+
+@pytest.mark.parametrize("use_pdl", [True, False], ids=["pdl", "no_pdl"])
+def test_graph_capture_and_replay(use_pdl):
+    """Three launches captured once, replayed with fresh inputs each time."""
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    w_kv = _weight("mla_kv_a_proj").clone()
+    w_gu = _weight("shared_gate_up").clone()
+    w_o = _weight("kda_o_proj").clone()
+    gamma = (1 + 0.1 * torch.randn(w_o.shape[0], device="cuda", generator=gen)).to(torch.bfloat16)
+    p_kv = PreparedGemm(w_kv, use_pdl=use_pdl)
+    p_gu = PreparedGemm(w_gu, "silu_mul", use_pdl=use_pdl)
+    p_o = PreparedGemm(w_o, "residual_rmsnorm", rmsnorm_weight=gamma, eps=EPS, use_pdl=use_pdl)
+    m = 3
+    x_kv = torch.empty(m, w_kv.shape[1], device="cuda", dtype=torch.bfloat16)
+    x_gu = torch.empty(m, w_gu.shape[1], device="cuda", dtype=torch.bfloat16)
+    x_o = torch.empty(m, w_o.shape[1], device="cuda", dtype=torch.bfloat16)
+    res = torch.empty(m, w_o.shape[0], device="cuda", dtype=torch.bfloat16)
+    y_kv = torch.empty(m, w_kv.shape[0], device="cuda", dtype=torch.bfloat16)
+    y_gu = torch.empty(m, w_gu.shape[0] // 2, device="cuda", dtype=torch.bfloat16)
+    y_o = torch.empty(m, w_o.shape[0], device="cuda", dtype=torch.bfloat16)
+    res_out = torch.empty_like(res)
+    for t in (x_kv, x_gu, x_o, res):
+        t.normal_()
+
+    def step():
+        p_kv.run(x_kv, y_kv)
+        p_gu.run(x_gu, y_gu)
+        p_o.run(x_o, y_o, residual=res, residual_out=res_out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile + warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(4):
+        for t in (x_kv, x_gu, x_o, res):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
+        for t in (y_kv, y_gu, y_o, res_out):
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(y_kv, _reference("plain", x_kv, w_kv)[0], f"replay {replay} kv_a")
+        _close(y_gu, _reference("silu_mul", x_gu, w_gu)[0], f"replay {replay} gate_up")
+        ref, ref_hidden = _reference("residual_rmsnorm", x_o, w_o, res, gamma)
+        _close(res_out, ref_hidden, f"replay {replay} residual_out")
+        _close(y_o, ref, f"replay {replay} normed")
+
+
+def _bad_input_cases():
+    return [
+        ("x fp16", lambda x, o: (x.half(), o), TypeError, "bfloat16"),
+        (
+            "x non-contiguous",
+            lambda x, o: (x.t().contiguous().t(), o),
+            ValueError,
+            "contiguous",
+        ),
+        (
+            "K mismatch",
+            lambda x, o: (x[:, :-8].contiguous(), o),
+            ValueError,
+            "K mismatch",
+        ),
+        (
+            "M > 16",
+            lambda x, o: (
+                x.repeat(5, 1)[:17].contiguous(),
+                o.repeat(5, 1)[:17].contiguous(),
+            ),
+            ValueError,
+            "M=17",
+        ),
+        ("M = 0", lambda x, o: (x[:0], o[:0]), ValueError, "M=0"),
+        (
+            "out wrong shape",
+            lambda x, o: (x, o[:, :-1].contiguous()),
+            ValueError,
+            "out must have shape",
+        ),
+        ("x on cpu", lambda x, o: (x.cpu(), o), ValueError, "is on cpu"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_input_cases(), ids=lambda c: c[0])
+def test_bad_input_raises_before_launch(case):
+    _, mutate, exc, match = case
+    w = _weight("mla_kv_a_proj")
+    prepared = PreparedGemm(w)
+    x = torch.randn(4, w.shape[1], device="cuda").to(torch.bfloat16)
+    out = torch.zeros(4, w.shape[0], device="cuda", dtype=torch.bfloat16)
+    bad_x, bad_out = mutate(x, out)
+    sentinel = bad_out.clone()
+    with pytest.raises(exc, match=match):
+        prepared.run(bad_x, bad_out)
+    torch.cuda.synchronize()
+    assert torch.equal(bad_out, sentinel), "output touched although the input was refused"
+
+
+def test_bad_weight_and_epilogue_arguments():
+    w = _weight("mla_kv_a_proj")
+    with pytest.raises(TypeError, match="bfloat16"):
+        PreparedGemm(w.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        PreparedGemm(w.t())
+    with pytest.raises(ValueError, match="multiple of 8"):
+        PreparedGemm(w[:, :-4].contiguous())
+    with pytest.raises(ValueError, match="unknown epilogue"):
+        PreparedGemm(w, "gelu")
+    with pytest.raises(ValueError, match="needs rmsnorm_weight"):
+        PreparedGemm(w, "residual_rmsnorm")
+    prepared = PreparedGemm(
+        w,
+        "residual_rmsnorm",
+        rmsnorm_weight=torch.ones(w.shape[0], device="cuda", dtype=torch.bfloat16),
+    )
+    x = torch.randn(2, w.shape[1], device="cuda").to(torch.bfloat16)
+    out = torch.empty(2, w.shape[0], device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs residual and residual_out"):
+        prepared.run(x, out)
