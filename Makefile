@@ -16,7 +16,7 @@ HD := $(PY) scripts/hd.py
 
 .PHONY: help venv-dev fetch import apply export lint drift ruff check build-wheel \
 	verify-wheel index venv test test-tooling test-real-pin test-upstream test-gpu \
-	pre-commit clean distclean
+	pre-commit _need-vllm rebase bump-pin clean distclean
 
 help:
 	@sed -n '2,9p' Makefile
@@ -81,6 +81,21 @@ test-gpu: venv
 	$(WHEEL_VENV)/bin/python -m pytest tests/kernels -q -rs
 
 test: test-tooling test-real-pin test-upstream test-gpu
+
+# Move to another upstream release in two explicit steps (VLLM=<version>, e.g. 0.33.0):
+#   make rebase VLLM=X     fetch + verify X, git am -3 the series onto it (build/upstream branch
+#                          rebase/X), import-check the overlay, write reports/rebase-X.md;
+#                          REBASE_ARGS=--continue after resolving a conflict, --restart to redo,
+#                          --with-tests to also build X's wheel and run the CPU tests against it
+#   make bump-pin VLLM=X   only after a complete rebase: VERSION -> X, patches/ from rebase/X
+_need-vllm:
+	@test -n "$(VLLM)" || { echo "set VLLM=<version>, e.g. make $(MAKECMDGOALS) VLLM=0.33.0" >&2; exit 2; }
+
+rebase: _need-vllm venv-dev
+	$(HD) rebase --to $(VLLM) $(REBASE_ARGS)
+
+bump-pin: _need-vllm venv-dev
+	$(HD) bump-pin --to $(VLLM) $(BUMP_ARGS)
 
 pre-commit: venv-dev
 	$(VENV)/bin/pre-commit run --all-files

@@ -105,7 +105,9 @@ def tracked_files(root: Path, sub: str) -> list[Path]:
     try:
         out = subprocess.run(
             ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", sub],
-            cwd=root, check=True, capture_output=True,
+            cwd=root,
+            check=True,
+            capture_output=True,
         ).stdout.decode()
         rels = [p for p in out.split("\0") if p]
         files = [root / p for p in rels if (root / p).is_file()]

@@ -1,0 +1,266 @@
+"""venv: a fresh virtual environment holding the built wheel, its dependencies and test tools.
+
+The wheel is installed with its dependencies from the configured index (PyPI: torch 2.11.0 and
+the CUDA libraries it pulls, several GB), together with pytest from ci/requirements-dev.txt and,
+when present, ci/requirements-upstream-tests.txt, in one resolver run. A stamp written last
+records what went in (a venv without it is incomplete). With `--if-stale`:
+- stamp matches (same wheel bytes, requirement files, Python): the venv is kept;
+- only the wheel's bytes changed, not its dependency metadata (the usual case after editing
+  kernels or the overlay): just vllm is reinstalled, `--no-deps` (~15 s instead of minutes);
+- anything else: the venv is made afresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+from hdtool.pin import HdError, Pin, sha256_file
+from hdtool.wheel import output_wheel_name
+
+DEFAULT_PATH = "build/venv-wheel"
+STAMP = ".hd-wheel-stamp.json"
+DEV_REQUIREMENTS = "ci/requirements-dev.txt"
+UPSTREAM_TEST_REQUIREMENTS = "ci/requirements-upstream-tests.txt"
+# Taken from DEV_REQUIREMENTS so the wheel venv runs the same pytest as the dev venv.
+TEST_TOOLS = ("pytest", "pytest-timeout")
+
+
+def _requirement_name(line: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", line, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_tool_pins(pin: Pin) -> list[str]:
+    path = pin.root / DEV_REQUIREMENTS
+    try:
+        lines = [line.strip() for line in path.read_text().splitlines()]
+    except OSError as e:
+        raise HdError(f"{path}: cannot read the test tool pins ({e})") from e
+    pins = [line for line in lines if line and _requirement_name(line) in TEST_TOOLS]
+    found = {_requirement_name(line) for line in pins}
+    if found != set(TEST_TOOLS):
+        raise HdError(f"{path}: needs pinned lines for {', '.join(TEST_TOOLS)}")
+    return pins
+
+
+def dependency_digest(wheel: Path) -> str:
+    """sha256 over the wheel's Requires-Dist / Requires-Python / Provides-Extra lines."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            found = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+            metadata = archive.read(found[0]).decode() if len(found) == 1 else ""
+    except (OSError, zipfile.BadZipFile) as e:
+        raise HdError(f"{wheel}: not a readable wheel ({e})") from e
+    header = metadata.partition("\n\n")[0]
+    wanted = ("Requires-Dist:", "Requires-Python:", "Provides-Extra:")
+    lines = [line for line in header.splitlines() if line.startswith(wanted)]
+    if not lines:
+        raise HdError(f"{wheel}: no dependency metadata in its METADATA")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def wanted_stamp(pin: Pin, wheel: Path, python: str) -> dict:
+    requirements = {}
+    for rel in (DEV_REQUIREMENTS, UPSTREAM_TEST_REQUIREMENTS):
+        path = pin.root / rel
+        if path.is_file():
+            requirements[rel] = sha256_file(path)
+    version = subprocess.run(
+        [python, "-c", "import sys; print(sys.version.split()[0])"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return {
+        "wheel": wheel.name,
+        "wheel_sha256": sha256_file(wheel),
+        "dependencies_sha256": dependency_digest(wheel),
+        "requirements": requirements,
+        "python": version,
+    }
+
+
+def read_stamp(venv: Path) -> dict | None:
+    try:
+        return json.loads((venv / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _remove_venv(pin: Pin, venv: Path) -> None:
+    if not venv.exists():
+        return
+    inside_build = venv.resolve().is_relative_to((pin.root / "build").resolve())
+    if not (inside_build or (venv / "pyvenv.cfg").is_file()):
+        raise HdError(
+            f"{venv} exists and is not a virtual environment; remove it yourself or "
+            "choose another --path"
+        )
+    shutil.rmtree(venv)
+
+
+def _size_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with_path = Path(root) / name
+            if not with_path.is_symlink():
+                total += with_path.stat().st_size
+    return total
+
+
+def _run(cmd: list[str], what: str, cleanup: str = "the venv was removed") -> None:
+    print("+ " + " ".join(cmd), flush=True)
+    if subprocess.run(cmd, check=False).returncode != 0:
+        raise HdError(f"{what} failed (command above); {cleanup}")
+
+
+def create_venv(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
+    """Make `venv` from nothing; returns the stamp written last (it marks a complete venv)."""
+    stamp = wanted_stamp(pin, wheel, python)
+    _remove_venv(pin, venv)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        _run([python, "-m", "venv", str(venv)], "creating the venv")
+        venv_python = str(venv / "bin" / "python")
+        cmd = [
+            venv_python,
+            "-m",
+            "pip",
+            "install",
+            "--no-input",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "off",
+            str(wheel),
+            *test_tool_pins(pin),
+        ]
+        upstream_reqs = pin.root / UPSTREAM_TEST_REQUIREMENTS
+        if upstream_reqs.is_file():
+            cmd += ["-r", str(upstream_reqs)]
+        _run(cmd, "installing the wheel and its dependencies")
+        _check_installed(pin, venv, wheel, stamp)
+    except BaseException:
+        shutil.rmtree(venv, ignore_errors=True)
+        raise
+    stamp["install_seconds"] = round(time.perf_counter() - start, 1)
+    _write_stamp(venv, stamp)
+    return stamp
+
+
+def refresh_wheel(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
+    """Reinstall only vllm from `wheel` into a complete venv whose dependencies still fit."""
+    stamp = wanted_stamp(pin, wheel, python)
+    (venv / STAMP).unlink()  # until the refresh succeeds the venv is incomplete
+    start = time.perf_counter()
+    _run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--no-input",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "off",
+            "--no-deps",
+            "--force-reinstall",
+            str(wheel),
+        ],
+        "reinstalling the wheel",
+        cleanup="the venv has no stamp now; the next `venv --if-stale` makes it afresh",
+    )
+    _check_installed(pin, venv, wheel, stamp)
+    stamp["install_seconds"] = round(time.perf_counter() - start, 1)
+    _write_stamp(venv, stamp)
+    return stamp
+
+
+def _check_installed(pin: Pin, venv: Path, wheel: Path, stamp: dict) -> None:
+    installed = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import importlib.metadata as m; print(m.version('vllm'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    if installed != pin.local_version:
+        raise HdError(f"{venv}: vllm {installed!r} installed, expected {pin.local_version}")
+    if sha256_file(wheel) != stamp["wheel_sha256"]:
+        raise HdError(f"{wheel} changed during the install (a build ran meanwhile); run again")
+
+
+def _write_stamp(venv: Path, stamp: dict) -> None:
+    partial = venv / f"{STAMP}.partial"
+    partial.write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+    partial.replace(venv / STAMP)
+
+
+_ENVIRONMENT_KEYS = ("requirements", "python", "dependencies_sha256")
+
+
+def _same(stamp: dict | None, wanted: dict, keys: tuple[str, ...]) -> bool:
+    return stamp is not None and all(stamp.get(k) == wanted[k] for k in keys)
+
+
+def cmd_venv(args: argparse.Namespace, pin: Pin) -> int:
+    venv = args.path if args.path.is_absolute() else pin.root / args.path
+    shown = venv.relative_to(pin.root) if venv.is_relative_to(pin.root) else venv
+    wheel = args.wheel or pin.dist_dir / output_wheel_name(pin)
+    if not wheel.is_file():
+        raise HdError(f"{wheel}: no such wheel; build it with `make build-wheel`")
+    stamp = read_stamp(venv) if (venv / "bin" / "python").exists() else None
+    wanted = wanted_stamp(pin, wheel, args.python)
+    if args.if_stale and _same(stamp, wanted, ("wheel", "wheel_sha256", *_ENVIRONMENT_KEYS)):
+        print(f"{shown}: up to date with {wheel.name}")
+        return 0
+    if args.if_stale and _same(stamp, wanted, _ENVIRONMENT_KEYS):
+        stamp = refresh_wheel(pin, venv, wheel, args.python)
+        print(
+            f"{shown}: vllm reinstalled from {wheel.name} (dependencies unchanged) in "
+            f"{stamp['install_seconds']:.0f} s"
+        )
+        return 0
+    stamp = create_venv(pin, venv, wheel, args.python)
+    print(
+        f"{shown}: vllm {pin.local_version} with dependencies installed in "
+        f"{stamp['install_seconds']:.0f} s; {_size_bytes(venv) / 1e9:.2f} GB"
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    venv = sub.add_parser(
+        "venv", help="fresh venv with the built wheel, its dependencies and the test tools"
+    )
+    venv.add_argument(
+        "--path",
+        type=Path,
+        default=Path(DEFAULT_PATH),
+        help="venv directory, relative to the checkout (default %(default)s)",
+    )
+    venv.add_argument("--wheel", type=Path, help="default: the dist/ wheel named by the pin")
+    venv.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter to base the venv on (default: this one)",
+    )
+    venv.add_argument(
+        "--if-stale",
+        action="store_true",
+        help="keep the venv when its stamp matches the wheel and requirements",
+    )
+    venv.set_defaults(func=cmd_venv)
