@@ -202,7 +202,7 @@ def main() -> int:
         "mix_us_m1": {"ours": mix_ours, "cublas_plus_epilogues": mix_base},
         "gpu": torch.cuda.get_device_name(dev),
         "num_sms": num_sms,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": command,
         "torch": torch.__version__,
         "cutlass_dsl": __import__("cutlass").__version__,

@@ -281,7 +281,7 @@ def main() -> int:
         "kernel_config": "PreparedKda default (8 warps per CTA); w16_* = 16 warps",
         "stock_profile_us_b1": STOCK_PROFILE_US_B1,
         "gpu": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": "python3 " + " ".join(sys.argv),
         "baseline": baseline,
         "targets": {"speedup_b1": 3.0, "state_bw_frac_b16plus": 0.8},

@@ -29,10 +29,9 @@ import subprocess
 import sys
 import tarfile
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-
-import tomllib
 
 from hdtool.pin import HdError, Pin, sha256_file
 
