@@ -70,7 +70,7 @@ test-tooling: venv-dev
 	$(PY) -m pytest tests/tooling -q
 
 test-real-pin: venv apply index
-	HD_REQUIRE_REAL_PIN=1 HD_VENV=$(WHEEL_VENV) $(PY) -m pytest tests -q -m real_pin
+	HD_REQUIRE_REAL_PIN=1 HD_VENV=$(WHEEL_VENV) $(PY) -m pytest tests/test_real_pin.py -q
 
 test-upstream: venv
 	$(HD) upstream-tests --python $(WHEEL_VENV)/bin/python --subset cpu

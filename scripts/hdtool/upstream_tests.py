@@ -407,7 +407,9 @@ def _shown(path: Path, root: Path) -> str:
 
 def run(args: argparse.Namespace, pin: Pin) -> int:
     root = pin.root
-    python = str(args.python or (root / DEFAULT_PYTHON))
+    # Absolute (pytest runs in the run directory), but not resolved: a venv's python is a
+    # symlink to the base interpreter, and resolving it would leave the venv.
+    python = os.path.abspath(args.python or (root / DEFAULT_PYTHON))
     config = load_config(Path(args.config).resolve() if args.config else root / CONFIG, python)
     if args.subset not in config.subsets:
         raise HdError(f"{config.path}: has no {args.subset!r} subset")
