@@ -265,8 +265,8 @@ def fetch_release(pin: Pin, version: str, log: Log = print) -> Release:
         if _version_matches(c, version) and c.link.filename.endswith(".whl")
     ]
     if not sdists or not wheels:
-        what = " and ".join(
-            k for k, v in (("an sdist", sdists), ("a matching wheel", wheels)) if not v
+        what = " and no ".join(
+            k for k, v in (("sdist", sdists), ("matching wheel", wheels)) if not v
         )
         raise HdError(f"the package index has no {what} for {pin.upstream_name}=={version}")
     same_tags = pin.wheel.split("-", 2)[2]  # e.g. cp38-abi3-manylinux_2_28_x86_64.whl
