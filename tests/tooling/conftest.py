@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hdtest import (
-    NAME,
     RELEASE_010,
     RELEASE_020,
     Index,
     Project,
+    isolate_pip,
     make_sdist,
     make_wheel,
-    sha256,
     version_toml,
+    write_simple_index,
 )
 
 from hdtool import cli
@@ -33,28 +32,12 @@ def package_index(tmp_path_factory: pytest.TempPathFactory) -> Index:
     for version, tree in (("0.1.0", RELEASE_010), ("0.2.0", RELEASE_020)):
         for path in (make_sdist(files_dir, version, tree), make_wheel(files_dir, version)):
             files[path.name] = path
-    page = root / "simple" / NAME
-    page.mkdir(parents=True)
-    links = "".join(
-        f'<a href="../../files/{name}#sha256={sha256(path)}">{name}</a>\n'
-        for name, path in sorted(files.items())
-    )
-    (page / "index.html").write_text(f"<!DOCTYPE html>\n<html><body>\n{links}</body></html>\n")
-    return Index((root / "simple").as_uri(), files)
-
-
-def _isolate_pip(mp: pytest.MonkeyPatch, index: Index) -> None:
-    """pip reads no config file and no other index: fetch must work from the local index."""
-    for var in list(os.environ):
-        if var.startswith("PIP_"):
-            mp.delenv(var)
-    mp.setenv("PIP_CONFIG_FILE", os.devnull)
-    mp.setenv("PIP_INDEX_URL", index.url)
+    return write_simple_index(root, files)
 
 
 @pytest.fixture
 def pip_sees_only_the_test_index(monkeypatch: pytest.MonkeyPatch, package_index: Index) -> None:
-    _isolate_pip(monkeypatch, package_index)
+    isolate_pip(monkeypatch, package_index)
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +53,7 @@ def imported_template(
     (root / "vllm_overlay").mkdir()
     (root / "kernels").mkdir()
     with pytest.MonkeyPatch.context() as mp:
-        _isolate_pip(mp, package_index)
+        isolate_pip(mp, package_index)
         assert cli.main(["--root", str(root), "import"]) == 0
     yield root
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import shutil
 import sys
 import tarfile
@@ -98,6 +99,27 @@ def sha256(path: Path) -> str:
 class Index:
     url: str
     files: dict[str, Path]  # file name -> path
+
+
+def write_simple_index(root: Path, files: dict[str, Path]) -> Index:
+    """A PEP 503 file:// index under root/simple listing files (which live in root/files)."""
+    page = root / "simple" / NAME
+    page.mkdir(parents=True)
+    links = "".join(
+        f'<a href="../../files/{name}#sha256={sha256(path)}">{name}</a>\n'
+        for name, path in sorted(files.items())
+    )
+    (page / "index.html").write_text(f"<!DOCTYPE html>\n<html><body>\n{links}</body></html>\n")
+    return Index((root / "simple").as_uri(), files)
+
+
+def isolate_pip(mp: pytest.MonkeyPatch, index: Index) -> None:
+    """pip reads no config file and no other index: fetch must work from the local index."""
+    for var in list(os.environ):
+        if var.startswith("PIP_"):
+            mp.delenv(var)
+    mp.setenv("PIP_CONFIG_FILE", os.devnull)
+    mp.setenv("PIP_INDEX_URL", index.url)
 
 
 def version_toml(index: Index, **overrides: str) -> str:

@@ -12,7 +12,6 @@ rope`. Each later release provokes one outcome:
 
 from __future__ import annotations
 
-import os
 import shutil
 import zipfile
 from pathlib import Path
@@ -24,10 +23,12 @@ from hdtest import (
     RELEASE_010,
     Index,
     Project,
+    isolate_pip,
     make_sdist,
     make_wheel,
     sha256,
     version_toml,
+    write_simple_index,
 )
 
 from hdtool import cli
@@ -107,23 +108,12 @@ def rebase_index(tmp_path_factory: pytest.TempPathFactory) -> Index:
                     zf.writestr(name, data)
         for path in (make_sdist(files_dir, version, tree), wheel):
             files[path.name] = path
-    page = root / "simple" / NAME
-    page.mkdir(parents=True)
-    links = "".join(
-        f'<a href="../../files/{name}#sha256={sha256(path)}">{name}</a>\n'
-        for name, path in sorted(files.items())
-    )
-    (page / "index.html").write_text(f"<html><body>\n{links}</body></html>\n")
-    return Index((root / "simple").as_uri(), files)
+    return write_simple_index(root, files)
 
 
 @pytest.fixture
 def pip_index(monkeypatch: pytest.MonkeyPatch, rebase_index: Index) -> Index:
-    for var in list(os.environ):
-        if var.startswith("PIP_"):
-            monkeypatch.delenv(var)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("PIP_INDEX_URL", rebase_index.url)
+    isolate_pip(monkeypatch, rebase_index)
     return rebase_index
 
 
@@ -136,11 +126,7 @@ def rebase_template(tmp_path_factory: pytest.TempPathFactory, rebase_index: Inde
     (root / "kernels").mkdir()
     (root / "VERSION").write_text(version_toml(rebase_index))
     with pytest.MonkeyPatch.context() as mp:
-        for var in list(os.environ):
-            if var.startswith("PIP_"):
-                mp.delenv(var)
-        mp.setenv("PIP_CONFIG_FILE", os.devnull)
-        mp.setenv("PIP_INDEX_URL", rebase_index.url)
+        isolate_pip(mp, rebase_index)
         assert cli.main(["--root", str(root), "import"]) == 0
         project = Project(root, _NoCapture())
         project.add_patch("Toy: tune LINE_10", {"vllm/model.py": model_with(LINE_10=100)})
