@@ -132,23 +132,11 @@ def create_venv(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
     start = time.perf_counter()
     try:
         _run([python, "-m", "venv", str(venv)], "creating the venv")
-        venv_python = str(venv / "bin" / "python")
-        cmd = [
-            venv_python,
-            "-m",
-            "pip",
-            "install",
-            "--no-input",
-            "--disable-pip-version-check",
-            "--progress-bar",
-            "off",
-            str(wheel),
-            *test_tool_pins(pin),
-        ]
+        requirements = [str(wheel), *test_tool_pins(pin)]
         upstream_reqs = pin.root / UPSTREAM_TEST_REQUIREMENTS
         if upstream_reqs.is_file():
-            cmd += ["-r", str(upstream_reqs)]
-        _run(cmd, "installing the wheel and its dependencies")
+            requirements += ["-r", str(upstream_reqs)]
+        _run(_pip_install(venv, *requirements), "installing the wheel and its dependencies")
         _check_installed(pin, venv, wheel, stamp)
     except BaseException:
         shutil.rmtree(venv, ignore_errors=True)
@@ -164,19 +152,7 @@ def refresh_wheel(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
     (venv / STAMP).unlink()  # until the refresh succeeds the venv is incomplete
     start = time.perf_counter()
     _run(
-        [
-            str(venv / "bin" / "python"),
-            "-m",
-            "pip",
-            "install",
-            "--no-input",
-            "--disable-pip-version-check",
-            "--progress-bar",
-            "off",
-            "--no-deps",
-            "--force-reinstall",
-            str(wheel),
-        ],
+        _pip_install(venv, "--no-deps", "--force-reinstall", str(wheel)),
         "reinstalling the wheel",
         cleanup="the venv has no stamp now; the next `venv --if-stale` makes it afresh",
     )
@@ -184,6 +160,21 @@ def refresh_wheel(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
     stamp["install_seconds"] = round(time.perf_counter() - start, 1)
     _write_stamp(venv, stamp)
     return stamp
+
+
+def _pip_install(venv: Path, *args: str) -> list[str]:
+    """The venv's `pip install` command line, quiet about progress and never prompting."""
+    return [
+        str(venv / "bin" / "python"),
+        "-m",
+        "pip",
+        "install",
+        "--no-input",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "off",
+        *args,
+    ]
 
 
 def _check_installed(pin: Pin, venv: Path, wheel: Path, stamp: dict) -> None:
