@@ -2,20 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Skinny bf16 GEMM for decode on SM90: ``y[M, N] = x[M, K] @ W[N, K]^T``, M <= 16.
 
-Decode projections read far more weight bytes than they do arithmetic, so the
-kernel is built around streaming W once at full HBM bandwidth:
+The main loop (``common.skinny_mma``) streams W once with 16-byte loads into
+``mma.sync`` fragments, the problem computed transposed (``y^T = W @ x^T``).
 
-* The problem is computed transposed, ``y^T = W @ x^T``, on the warp-level
-  ``mma.sync.m16n8k16`` tensor-core instruction: 16 weight rows are the MMA's
-  M side and up to 8 tokens its N side (two MMAs per weight fragment for
-  M-bucket 16).  The tensor cores keep the FP32 FMA pipe out of the critical
-  path, which a CUDA-core dot product would saturate at M = 16.
-* Every lane loads its weight fragments with 16-byte loads straight from
-  global memory into registers.  The MMA fragment wants 4 K-values per row
-  per lane; a dot product does not care in which order K is summed, so lane
-  ``t`` of a quad takes 8 consecutive K-values (one 16-byte chunk) and feeds
-  them to two MMAs, with the activation chunk permuted identically.  No
-  shared-memory staging or swizzling is needed for W.
 * A warp owns one 16-row tile and a contiguous range of K "steps" (32
   K-values: 4 lanes x 8).  Warps of a CTA split K further (``warps_k``) and
   reduce through shared memory; small-N shapes additionally split K across
@@ -36,19 +25,19 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
-# One mma.sync.m16n8k16 covers 16 weight rows (its M) and 8 tokens (its N).
-ROWS_PER_TILE = 16
-TOKENS_PER_MMA = 8
-MMA_K = 16
-# A 16-byte load holds 8 bf16; it feeds two MMAs of one lane (4 K-values each).
-CHUNK = 8
-# The 4 lanes of a quad share a row pair in the MMA fragment, so one warp step
-# consumes 4 chunks = 32 K-values of each of its 16 rows.
-LANES_PER_QUAD = 4
-STEP_K = CHUNK * LANES_PER_QUAD
-WARP_THREADS = 32
-# Largest M the kernel serves: two n8 MMAs per weight fragment.
-MAX_TOKENS = 2 * TOKENS_PER_MMA
+from ..common.skinny_mma import (
+    CHUNK,
+    LANES_PER_QUAD,
+    MAX_TOKENS,
+    ROWS_PER_TILE,
+    STEP_K,
+    TOKENS_PER_MMA,
+    WARP_THREADS,
+    WarpRowTileMma,
+    ceil_div,
+    new_accumulators,
+)
+
 # The last CTA of a residual+RMSNorm launch loads this many 16-byte chunks per
 # thread before using any, so the whole-row pass is not one L2 round trip per
 # chunk.
@@ -58,10 +47,6 @@ EPILOGUE_PLAIN = "plain"
 EPILOGUE_SILU_MUL = "silu_mul"
 EPILOGUE_RESIDUAL_RMSNORM = "residual_rmsnorm"
 EPILOGUES = (EPILOGUE_PLAIN, EPILOGUE_SILU_MUL, EPILOGUE_RESIDUAL_RMSNORM)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 class SkinnyGemmKernel:
@@ -100,17 +85,17 @@ class SkinnyGemmKernel:
         self.eps = eps
         self.halves = m_bucket // TOKENS_PER_MMA
         self.k_chunks = k // CHUNK
-        self.num_tiles = _ceil_div(n, ROWS_PER_TILE)
-        total_steps = _ceil_div(self.k_chunks, LANES_PER_QUAD)
+        self.num_tiles = ceil_div(n, ROWS_PER_TILE)
+        total_steps = ceil_div(self.k_chunks, LANES_PER_QUAD)
         k_slices = warps_k * split_k
-        self.steps_per_warp = _ceil_div(total_steps, k_slices)
+        self.steps_per_warp = ceil_div(total_steps, k_slices)
         if self.steps_per_warp * (k_slices - 1) >= total_steps:
             raise ValueError(
                 f"warps_k*split_k={k_slices} leaves a warp without K work for K={k}"
             )
-        self.unroll = max(1, min(unroll, self.steps_per_warp))
         # K predicates are needed only when the slices overhang the real K.
-        self.k_ragged = self.steps_per_warp * k_slices * STEP_K != k
+        k_ragged = self.steps_per_warp * k_slices * STEP_K != k
+        self.mma = WarpRowTileMma(k, self.steps_per_warp, unroll, self.halves, k_ragged)
         self.n_ragged = n % ROWS_PER_TILE != 0
         self.threads = warps_k * WARP_THREADS
         self.values_per_lane = 4 * self.halves
@@ -143,9 +128,7 @@ class SkinnyGemmKernel:
         m: Int32,
         stream: cuda.CUstream,
     ):
-        smem_bytes = 0
-        if const_expr(self.warps_k > 1):
-            smem_bytes += self.warps_k * WARP_THREADS * self.values_per_lane * 4
+        smem_bytes = self.warps_k * WARP_THREADS * self.values_per_lane * 4
         smem_bytes += 4 * WARP_THREADS + 4 * MAX_TOKENS  # ticket flag + rstd
         self.kernel(
             x_ptr,
@@ -214,108 +197,28 @@ class SkinnyGemmKernel:
             cutlass.min(quad_row + h * TOKENS_PER_MMA, m - 1) for h in range(halves)
         ]
 
-        mma_atom = cute.make_mma_atom(
-            cute.nvgpu.warp.MmaF16BF16Op(
-                BFloat16, Float32, (ROWS_PER_TILE, TOKENS_PER_MMA, MMA_K)
-            )
-        )
-        # Fragments are (values, M-tiles, N-or-K-tiles) = (V, 1, 1) for one atom.
-        acc = [cute.make_rmem_tensor((4, 1, 1), Float32) for _ in range(halves)]
-        for h in cutlass.range_constexpr(halves):
-            acc[h].fill(0.0)
-        frag_a = cute.make_rmem_tensor((8, 1, 1), BFloat16)
-        frag_b = cute.make_rmem_tensor((4, 1, 1), BFloat16)
-
+        acc = new_accumulators(halves)
         first_step = (split * self.warps_k + warp) * self.steps_per_warp
-        unroll = self.unroll
-        for batch_start in cutlass.range_constexpr(0, self.steps_per_warp, unroll):
-            batch = min(unroll, self.steps_per_warp - batch_start)
-            w_lo = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
-            w_hi = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
-            xs = [
-                [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(halves)]
-                for _ in range(batch)
-            ]
-            # Issue every load of the batch before the first MMA needs one.
-            for j in cutlass.range_constexpr(batch):
-                chunk = (first_step + batch_start + j) * LANES_PER_QUAD + quad_lane
-                if const_expr(self.k_ragged):
-                    if chunk < k_chunks:
-                        cute.autovec_copy(w_chunks[row_lo, chunk, None], w_lo[j])
-                        cute.autovec_copy(w_chunks[row_hi, chunk, None], w_hi[j])
-                    else:
-                        w_lo[j].fill(0.0)
-                        w_hi[j].fill(0.0)
-                else:
-                    cute.autovec_copy(w_chunks[row_lo, chunk, None], w_lo[j])
-                    cute.autovec_copy(w_chunks[row_hi, chunk, None], w_hi[j])
-            if const_expr(self.use_pdl and batch_start == 0):
-                # The weights never depend on the previous kernel, so the first
-                # batch is in flight while that kernel drains; x, the workspace
-                # and every output are touched only after it has completed.
-                cute.arch.griddepcontrol_wait()
-            for j in cutlass.range_constexpr(batch):
-                chunk = (first_step + batch_start + j) * LANES_PER_QUAD + quad_lane
-                for h in cutlass.range_constexpr(halves):
-                    if const_expr(self.k_ragged):
-                        if chunk < k_chunks:
-                            cute.autovec_copy(
-                                x_chunks[x_rows[h], chunk, None], xs[j][h]
-                            )
-                        else:
-                            xs[j][h].fill(0.0)
-                    else:
-                        cute.autovec_copy(x_chunks[x_rows[h], chunk, None], xs[j][h])
-            for j in cutlass.range_constexpr(batch):
-                # A 16-byte chunk is two MMA K-slices of 4 values per lane.
-                for s in cutlass.range_constexpr(2):
-                    # Fragment order a0..a7: (row g, k0,k1) (row g+8, k0,k1)
-                    # (row g, k8,k9) (row g+8, k8,k9); k0,k1 <- chunk[4s:4s+2],
-                    # k8,k9 <- chunk[4s+2:4s+4], the same for the B operand.
-                    frag_a[0] = w_lo[j][4 * s + 0]
-                    frag_a[1] = w_lo[j][4 * s + 1]
-                    frag_a[2] = w_hi[j][4 * s + 0]
-                    frag_a[3] = w_hi[j][4 * s + 1]
-                    frag_a[4] = w_lo[j][4 * s + 2]
-                    frag_a[5] = w_lo[j][4 * s + 3]
-                    frag_a[6] = w_hi[j][4 * s + 2]
-                    frag_a[7] = w_hi[j][4 * s + 3]
-                    for h in cutlass.range_constexpr(halves):
-                        for v in cutlass.range_constexpr(4):
-                            frag_b[v] = xs[j][h][4 * s + v]
-                        cute.gemm(mma_atom, acc[h], frag_a, frag_b, acc[h])
+        self.mma.accumulate(
+            acc, w_chunks, row_lo, row_hi, x_chunks, x_rows, first_step, quad_lane,
+            self.use_pdl,
+        )  # fmt: skip
 
         # ---- reduce the K slices of this CTA's warps through shared memory
         smem = cutlass.utils.SmemAllocator()
         vals = self.values_per_lane
-        if const_expr(self.warps_k > 1):
-            red = smem.allocate_tensor(
-                Float32,
-                cute.make_layout((self.warps_k, WARP_THREADS, vals)),
-                byte_alignment=16,
-            )
+        red = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((self.warps_k, WARP_THREADS, vals)),
+            byte_alignment=16,
+        )
         flag = smem.allocate_tensor(Int32, cute.make_layout((WARP_THREADS,)), 4)
         rstd = smem.allocate_tensor(Float32, cute.make_layout((MAX_TOKENS,)), 4)
-        if const_expr(self.warps_k > 1):
-            for h in cutlass.range_constexpr(halves):
-                for v in cutlass.range_constexpr(4):
-                    red[warp, lane, 4 * h + v] = acc[h][v]
-            cute.arch.sync_threads()
         if tidx < WARP_THREADS:
             flag[tidx] = Int32(0)
-
         total = cute.make_rmem_tensor((vals,), Float32)
+        self.mma.reduce_warps(acc, total, red, warp, lane, self.warps_k)
         if warp == 0:
-            if const_expr(self.warps_k > 1):
-                for v in cutlass.range_constexpr(vals):
-                    total[v] = red[0, lane, v]
-                for w in cutlass.range_constexpr(1, self.warps_k):
-                    for v in cutlass.range_constexpr(vals):
-                        total[v] = total[v] + red[w, lane, v]
-            else:
-                for h in cutlass.range_constexpr(halves):
-                    for v in cutlass.range_constexpr(4):
-                        total[4 * h + v] = acc[h][v]
             if const_expr(self.split_k > 1):
                 self._split_k_reduce_and_epilogue(
                     total, tile, split, lane, quad_row, quad_lane, m,
@@ -512,7 +415,7 @@ class SkinnyGemmKernel:
             gamma_ptr, cute.make_layout((row_chunks, CHUNK), stride=(CHUNK, 1))
         )
         work = self.m_bucket * row_chunks
-        iters = _ceil_div(work, self.threads)
+        iters = ceil_div(work, self.threads)
         for start in cutlass.range_constexpr(0, iters, NORM_LOADS_IN_FLIGHT):
             batch = min(NORM_LOADS_IN_FLIGHT, iters - start)
             hs = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]

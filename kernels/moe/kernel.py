@@ -1,0 +1,884 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Small-batch (M <= 16) MoE block for decode on SM90: router, experts, combine.
+
+Four launches per layer, chained with programmatic dependent launch (PDL):
+
+1. ``MoeRouterKernel``: router logits ``x @ W_gate^T`` (split over K across
+   CTAs; the last CTA of each 16-expert tile reduces and rounds the logits to
+   bf16 as the stock bf16 gate GEMM does), then the last tile of the grid
+   (atomic ticket) runs sigmoid + score-correction bias, top-k (ties to the
+   lower expert id), renormalisation and scaling for every token, and writes a
+   routing table: the distinct experts in ascending id ("slots"), each with its
+   tokens, and for every (token, choice) the row its expert output will land in.
+2. ``MoeExpertKernel("gate_up")``: for every slot (and the shared expert as
+   unit 0), ``h = SiLU(x W_gate^T) * (x W_up^T)`` over the slot's tokens.  The
+   gate and the up row of an output column are the two 8-row halves of one
+   MMA tile, so vLLM's stacked ``w13 [E, 2I, H]`` is read in place.
+3. ``MoeExpertKernel("down")``: ``y = h W_2^T`` per slot, FP32 rows.
+4. ``MoeCombineKernel``: per token, ``shared + sum_k weight_k * y_k`` in a
+   fixed order (bit-reproducible), optionally + residual and RMSNorm.
+
+Launch 2 and 3 have a static grid ``(tiles, slot_lanes)`` sized for the
+M-bucket; a CTA walks the slots ``lane, lane + slot_lanes, ...`` that exist,
+so idle CTAs exit at once and no host work depends on the routing.  Weights
+never depend on the previous kernel, so each launch issues its first weight
+loads before ``griddepcontrol.wait`` wherever the weight's address is known:
+the router and the shared expert always, the routed ``down`` experts because
+the routing table is complete before ``gate_up`` lets ``down`` launch.
+"""
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+
+from ..common.skinny_mma import (
+    CHUNK,
+    LANES_PER_QUAD,
+    MAX_TOKENS,
+    ROWS_PER_TILE,
+    STEP_K,
+    TOKENS_PER_MMA,
+    WARP_THREADS,
+    WarpRowTileMma,
+    ceil_div,
+    new_accumulators,
+)
+
+STAGE_GATE_UP = "gate_up"
+STAGE_DOWN = "down"
+# Scores are sigmoids (0..1) plus a bias of O(1): this is below any of them.
+NEG_HUGE = -3.0e38
+# The renormalisation divides by (sum + this), as vLLM's grouped top-k does.
+RENORM_EPS = 1e-20
+# K-steps of weight loads in flight per warp before their MMAs, by MMA width:
+# both keep the staged fragments at ~96 registers per thread.
+UNROLL_BY_HALVES = {1: 8, 2: 6}
+# The combine kernel loads each token's expert rows in 16-byte halves of a
+# CHUNK of FP32 values.
+Y_HALF = CHUNK // 2
+
+
+def _pick(cond, if_true, if_false):
+    """Branch-free select that keeps the type of ``if_false``."""
+    return type(if_false)(cutlass.select_(cond, if_true, if_false))
+
+
+def halves_for(m_bucket: int) -> int:
+    return 1 if m_bucket <= TOKENS_PER_MMA else 2
+
+
+class RoutingTable:
+    """Int32 layout of the routing table the router writes (offsets in ints).
+
+    ``count``: number of distinct routed experts (slots); per slot ``s`` <
+    count: ``expert[s]``, ``ntok[s]``, ``row0[s]`` (first expert-output row)
+    and ``tokens[s, 0:ntok]`` ascending; ``route_row[t, k]``: the expert-output
+    row of token ``t``'s ``k``-th choice.  Rows ``0..m-1`` are the shared
+    expert's (row = token), routed rows follow from ``m``.
+    """
+
+    def __init__(self, num_experts: int, top_k: int):
+        self.num_experts, self.top_k = num_experts, top_k
+        self.count = 0
+        self.expert = 4
+        self.ntok = self.expert + num_experts
+        self.row0 = self.ntok + num_experts
+        self.tokens = self.row0 + num_experts
+        self.route_row = self.tokens + num_experts * MAX_TOKENS
+        self.size = self.route_row + MAX_TOKENS * top_k
+        # Expert-output rows: the shared expert's plus one per (token, choice).
+        self.max_rows = MAX_TOKENS * (1 + top_k)
+
+
+class MoeRouterKernel:
+    """Router GEMV + top-k + routing table (launch 1)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        m_bucket: int,
+        split_k: int,
+        warps: int,
+        unroll: int,
+        routed_scaling_factor: float,
+        renormalize: bool = True,
+        use_pdl: bool = True,
+    ):
+        if num_experts % (ROWS_PER_TILE * 2) or num_experts > 32 * WARP_THREADS:
+            raise ValueError(
+                f"num_experts={num_experts} must be a multiple of 32 and <= 1024"
+            )
+        if not 1 <= top_k <= WARP_THREADS:
+            raise ValueError(f"top_k={top_k} must be in 1..32")
+        self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
+        self.m_bucket, self.split_k, self.warps = m_bucket, split_k, warps
+        self.scale = routed_scaling_factor
+        self.renormalize = renormalize
+        self.use_pdl = use_pdl
+        self.halves = halves_for(m_bucket)
+        self.tiles = num_experts // ROWS_PER_TILE
+        self.threads = warps * WARP_THREADS
+        if num_experts % self.threads:
+            raise ValueError(
+                f"num_experts={num_experts} must be a multiple of {self.threads}"
+            )
+        if top_k * MAX_TOKENS > self.threads * 4:
+            raise ValueError("top_k too large for the routing pass")
+        total_steps = ceil_div(hidden // CHUNK, LANES_PER_QUAD)
+        slices = warps * split_k
+        steps = ceil_div(total_steps, slices)
+        if steps * (slices - 1) >= total_steps:
+            raise ValueError(
+                f"warps*split_k={slices} leaves a warp without K work for K={hidden}"
+            )
+        self.mma = WarpRowTileMma(
+            hidden, steps, unroll, self.halves, steps * slices * STEP_K != hidden
+        )
+        self.table = RoutingTable(num_experts, top_k)
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        bias_ptr: cute.Pointer,
+        partial_ptr: cute.Pointer,
+        logits_ptr: cute.Pointer,
+        counter_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        weight_ptr: cute.Pointer,
+        m: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(
+            x_ptr,
+            w_ptr,
+            bias_ptr,
+            partial_ptr,
+            logits_ptr,
+            counter_ptr,
+            table_ptr,
+            weight_ptr,
+            m,
+        ).launch(  # fmt: skip
+            grid=[self.tiles, self.split_k, 1],
+            block=[self.threads, 1, 1],
+            smem=self._smem_bytes(),
+            stream=stream,
+            use_pdl=self.use_pdl,
+        )
+
+    def _smem_bytes(self) -> int:
+        e, k = self.num_experts, self.top_k
+        red = self.warps * WARP_THREADS * 4 * self.halves * 4
+        select = 4 * (e * MAX_TOKENS + 2 * MAX_TOKENS * k + 2 * e + 2 * self.warps)
+        # + alignment padding of each allocation
+        return red + select + 4 * WARP_THREADS + 256
+
+    @cute.kernel
+    def kernel(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        bias_ptr: cute.Pointer,
+        partial_ptr: cute.Pointer,
+        logits_ptr: cute.Pointer,
+        counter_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        weight_ptr: cute.Pointer,
+        m: Int32,
+    ):
+        hidden, e = self.hidden, self.num_experts
+        tidx, _, _ = cute.arch.thread_idx()
+        if const_expr(self.use_pdl):
+            # The next launch waits for this grid before reading the table.
+            cute.arch.griddepcontrol_launch_dependents()
+        tile, split, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % WARP_THREADS
+        quad_row = lane // LANES_PER_QUAD
+        quad_lane = lane % LANES_PER_QUAD
+
+        smem = cutlass.utils.SmemAllocator()
+        vals = 4 * self.halves
+        red = smem.allocate_tensor(
+            Float32, cute.make_layout((self.warps, WARP_THREADS, vals)), 16
+        )
+        flag = smem.allocate_tensor(Int32, cute.make_layout((WARP_THREADS,)), 4)
+        # Routing scratch: chosen[e, t] = 1 when token t picked expert e;
+        # choice[t, k] its k-th expert; per-expert token mask and first row.
+        chosen = smem.allocate_tensor(Int32, cute.make_layout((e, MAX_TOKENS)), 16)
+        choice = smem.allocate_tensor(
+            Int32,
+            cute.make_layout((MAX_TOKENS, self.top_k), stride=(self.top_k, 1)),
+            16,
+        )
+        expert_mask = smem.allocate_tensor(Int32, cute.make_layout((e,)), 16)
+        expert_row0 = smem.allocate_tensor(Int32, cute.make_layout((e,)), 16)
+        warp_totals = smem.allocate_tensor(
+            Int32, cute.make_layout((self.warps, 2), stride=(2, 1)), 16
+        )
+        if tidx == 0:
+            flag[0] = Int32(0)
+
+        k_chunks = hidden // CHUNK
+        w_chunks = cute.make_tensor(
+            w_ptr, cute.make_layout((e, k_chunks, CHUNK), stride=(hidden, CHUNK, 1))
+        )
+        x_chunks = cute.make_tensor(
+            x_ptr,
+            cute.make_layout((MAX_TOKENS, k_chunks, CHUNK), stride=(hidden, CHUNK, 1)),
+        )
+        row_lo = tile * ROWS_PER_TILE + quad_row
+        x_rows = [
+            cutlass.min(quad_row + h * TOKENS_PER_MMA, m - 1)
+            for h in range(self.halves)
+        ]
+        acc = new_accumulators(self.halves)
+        first_step = (split * self.warps + warp) * self.mma.steps
+        self.mma.accumulate(
+            acc, w_chunks, row_lo, row_lo + TOKENS_PER_MMA, x_chunks, x_rows,
+            first_step, quad_lane, self.use_pdl,
+        )  # fmt: skip
+        total = cute.make_rmem_tensor((vals,), Float32)
+        self.mma.reduce_warps(acc, total, red, warp, lane, self.warps)
+        if warp == 0:
+            self._publish_logits(
+                total, tile, split, lane, quad_row, quad_lane, m, partial_ptr,
+                logits_ptr, counter_ptr, flag,
+            )  # fmt: skip
+        cute.arch.sync_threads()
+        if flag[0] == 1:
+            self._route(
+                tidx, warp, lane, m, bias_ptr, logits_ptr, counter_ptr, table_ptr,
+                weight_ptr, chosen, choice, expert_mask, expert_row0, warp_totals,
+            )  # fmt: skip
+
+    @cute.jit
+    def _publish_logits(
+        self, total, tile, split, lane, quad_row, quad_lane, m, partial_ptr,
+        logits_ptr, counter_ptr, flag,
+    ):  # fmt: skip
+        """Reduce the split-K partials of this tile (last CTA of the tile),
+        store its bf16-rounded logits, and raise ``flag`` in the last tile."""
+        vals = 4 * self.halves
+        counters = cute.make_tensor(counter_ptr, cute.make_layout((self.tiles + 1,)))
+        if const_expr(self.split_k > 1):
+            partials = cute.make_tensor(
+                partial_ptr,
+                cute.make_layout(
+                    (self.tiles, self.split_k, WARP_THREADS, vals),
+                    stride=(
+                        self.split_k * WARP_THREADS * vals,
+                        WARP_THREADS * vals,
+                        vals,
+                        1,
+                    ),
+                ),
+            )
+            for v in cutlass.range_constexpr(vals):
+                partials[tile, split, lane, v] = total[v]
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_warp()
+            ticket = Int32(0)
+            if lane == 0:
+                ticket = cute.arch.atomic_add(
+                    counters.iterator + tile, Int32(1), sem="acq_rel", scope="gpu"
+                )
+            ticket = cute.arch.shuffle_sync(ticket, 0)
+            if ticket == self.split_k - 1:
+                cute.arch.fence_acq_rel_gpu()
+                # Fixed summation order keeps the logits reproducible.
+                for v in cutlass.range_constexpr(vals):
+                    total[v] = partials[tile, 0, lane, v]
+                for s in cutlass.range_constexpr(1, self.split_k):
+                    for v in cutlass.range_constexpr(vals):
+                        total[v] = total[v] + partials[tile, s, lane, v]
+                if lane == 0:
+                    counters[tile] = Int32(0)  # re-armed for the next launch
+                self._store_logits(
+                    total, tile, lane, quad_row, quad_lane, m, logits_ptr, counters,
+                    flag,
+                )  # fmt: skip
+        else:
+            self._store_logits(
+                total, tile, lane, quad_row, quad_lane, m, logits_ptr, counters, flag
+            )
+
+    @cute.jit
+    def _store_logits(
+        self, total, tile, lane, quad_row, quad_lane, m, logits_ptr, counters, flag
+    ):
+        """Store this tile's bf16-rounded logits; the last tile raises ``flag``."""
+        logits = cute.make_tensor(
+            logits_ptr,
+            cute.make_layout(
+                (MAX_TOKENS, self.num_experts), stride=(self.num_experts, 1)
+            ),
+        )
+        for h in cutlass.range_constexpr(self.halves):
+            for v in cutlass.range_constexpr(4):
+                token = h * TOKENS_PER_MMA + 2 * quad_lane + (v % 2)
+                row = tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * (v // 2)
+                if token < m:
+                    # The stock gate is a bf16 GEMM: its logits are bf16.
+                    logits[token, row] = total[4 * h + v].to(BFloat16).to(Float32)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        last = Int32(0)
+        if lane == 0:
+            last = cute.arch.atomic_add(
+                counters.iterator + self.tiles, Int32(1), sem="acq_rel", scope="gpu"
+            )
+        last = cute.arch.shuffle_sync(last, 0)
+        if lane == 0:  # noqa: SIM102
+            if last == self.tiles - 1:
+                flag[0] = Int32(1)
+
+    @cute.jit
+    def _route(
+        self, tidx, warp, lane, m, bias_ptr, logits_ptr, counter_ptr, table_ptr,
+        weight_ptr, chosen, choice, expert_mask, expert_row0, warp_totals,
+    ):  # fmt: skip
+        """Top-k per token (one warp per token) and the routing table."""
+        e, top_k, tab = self.num_experts, self.top_k, self.table
+        per_lane = e // WARP_THREADS
+        per_thread = e // self.threads
+        cute.arch.fence_acq_rel_gpu()
+        logits = cute.make_tensor(
+            logits_ptr, cute.make_layout((MAX_TOKENS, e), stride=(e, 1))
+        )
+        bias = cute.make_tensor(bias_ptr, cute.make_layout((e,)))
+        table = cute.make_tensor(table_ptr, cute.make_layout((tab.size,)))
+        weights = cute.make_tensor(
+            weight_ptr, cute.make_layout((MAX_TOKENS, top_k), stride=(top_k, 1))
+        )
+        for i in cutlass.range_constexpr(ceil_div(e * MAX_TOKENS, self.threads)):
+            idx = tidx + i * self.threads
+            if idx < e * MAX_TOKENS:
+                chosen[idx // MAX_TOKENS, idx % MAX_TOKENS] = Int32(0)
+        cute.arch.sync_threads()
+
+        # ---- top-k: lane l holds experts l, l + 32, ...
+        for t in cutlass.range(warp, m, self.warps):
+            cand = cute.make_rmem_tensor((per_lane,), Float32)
+            score = cute.make_rmem_tensor((per_lane,), Float32)
+            for j in cutlass.range_constexpr(per_lane):
+                ex = lane + WARP_THREADS * j
+                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logits[t, ex]))
+                score[j] = s
+                cand[j] = s + bias[ex]
+            # Argmax rounds with selects rather than branches: every lane runs
+            # the same instructions and keeps (value, score, id) together.
+            mine_id = Int32(0)
+            mine_score = Float32(0.0)
+            for r in cutlass.range_constexpr(top_k):
+                best_v = cand[0]
+                best_s = score[0]
+                best_i = lane
+                for j in cutlass.range_constexpr(1, per_lane):
+                    # Strict '>' keeps the lower id among equal candidates.
+                    better = cand[j] > best_v
+                    best_v = _pick(better, cand[j], best_v)
+                    best_s = _pick(better, score[j], best_s)
+                    best_i = _pick(better, lane + WARP_THREADS * j, best_i)
+                for o in cutlass.range_constexpr(5):
+                    other_v = cute.arch.shuffle_sync_bfly(best_v, 16 >> o)
+                    other_s = cute.arch.shuffle_sync_bfly(best_s, 16 >> o)
+                    other_i = cute.arch.shuffle_sync_bfly(best_i, 16 >> o)
+                    take = (other_v > best_v) | (
+                        (other_v == best_v) & (other_i < best_i)
+                    )
+                    best_v = _pick(take, other_v, best_v)
+                    best_s = _pick(take, other_s, best_s)
+                    best_i = _pick(take, other_i, best_i)
+                mine_id = _pick(lane == r, best_i, mine_id)
+                mine_score = _pick(lane == r, best_s, mine_score)
+                for j in cutlass.range_constexpr(per_lane):
+                    taken = lane + WARP_THREADS * j == best_i
+                    cand[j] = _pick(taken, Float32(NEG_HUGE), cand[j])
+            denom = Float32(1.0)
+            if const_expr(self.renormalize):
+                # Same fixed order in every lane: reproducible.
+                total = Float32(RENORM_EPS)
+                for r in cutlass.range_constexpr(top_k):
+                    total = total + cute.arch.shuffle_sync(mine_score, r)
+                denom = total
+            if lane < top_k:
+                weights[t, lane] = mine_score / denom * Float32(self.scale)
+                choice[t, lane] = mine_id
+                chosen[mine_id, t] = Int32(1)
+        cute.arch.sync_threads()
+
+        # ---- distinct experts -> slots (ascending id), rows, token lists
+        masks = cute.make_rmem_tensor((per_thread,), Int32)
+        counts = cute.make_rmem_tensor((per_thread,), Int32)
+        local_slots = Int32(0)
+        local_rows = Int32(0)
+        for i in cutlass.range_constexpr(per_thread):
+            ex = tidx * per_thread + i
+            mask = Int32(0)
+            count = Int32(0)
+            for t in cutlass.range_constexpr(MAX_TOKENS):
+                picked = chosen[ex, t]
+                mask = mask | (picked << t)
+                count = count + picked
+            masks[i] = mask
+            counts[i] = count
+            local_slots = local_slots + _pick(count > 0, Int32(1), Int32(0))
+            local_rows = local_rows + count
+        # Exclusive prefix sums over threads: warp scan, then warp totals.
+        # (shfl.up needs clamp 0: with the default 31 every lane keeps its own.)
+        incl_slots = local_slots
+        incl_rows = local_rows
+        for o in cutlass.range_constexpr(5):
+            up_slots = cute.arch.shuffle_sync_up(incl_slots, 1 << o, mask_and_clamp=0)
+            up_rows = cute.arch.shuffle_sync_up(incl_rows, 1 << o, mask_and_clamp=0)
+            has_up = lane >= (1 << o)
+            incl_slots = incl_slots + _pick(has_up, up_slots, Int32(0))
+            incl_rows = incl_rows + _pick(has_up, up_rows, Int32(0))
+        if lane == WARP_THREADS - 1:
+            warp_totals[warp, 0] = incl_slots
+            warp_totals[warp, 1] = incl_rows
+        cute.arch.sync_threads()
+        slot = incl_slots - local_slots
+        row = m + incl_rows - local_rows
+        for w in cutlass.range_constexpr(self.warps - 1):
+            before = w < warp
+            slot = slot + _pick(before, warp_totals[w, 0], Int32(0))
+            row = row + _pick(before, warp_totals[w, 1], Int32(0))
+        for i in cutlass.range_constexpr(per_thread):
+            ex = tidx * per_thread + i
+            expert_mask[ex] = masks[i]
+            expert_row0[ex] = row
+            if counts[i] > 0:
+                table[tab.expert + slot] = ex
+                table[tab.ntok + slot] = counts[i]
+                table[tab.row0 + slot] = row
+            pos = Int32(0)
+            for t in cutlass.range_constexpr(MAX_TOKENS):
+                bit = (masks[i] >> t) & 1
+                if bit != 0:
+                    table[tab.tokens + slot * MAX_TOKENS + pos] = Int32(t)
+                pos = pos + bit
+            slot = slot + _pick(counts[i] > 0, Int32(1), Int32(0))
+            row = row + counts[i]
+        if tidx == self.threads - 1:
+            table[tab.count] = slot
+        cute.arch.sync_threads()
+        for p in cutlass.range(tidx, m * top_k, self.threads):
+            t = p // top_k
+            ex = choice[t, p % top_k]
+            below = expert_mask[ex] & ((Int32(1) << t) - 1)
+            table[tab.route_row + p] = expert_row0[ex] + cute.arch.popc(below)
+        if tidx == 0:
+            counters = cute.make_tensor(
+                counter_ptr, cute.make_layout((self.tiles + 1,))
+            )
+            counters[self.tiles] = Int32(0)
+
+
+class MoeExpertKernel:
+    """Routed experts + shared expert, one projection (launch 2 or 3).
+
+    ``gate_up``: ``x [m, H]`` bf16 -> ``h [rows, I]`` bf16 = SiLU(gate) * up.
+    ``down``: ``h [rows, I]`` bf16 -> ``y [rows, H]`` FP32.
+    ``w_ptr`` is the routed experts' weight (``[E, 2I, H]`` / ``[E, H, I]``),
+    ``shared_w_ptr`` the shared expert's, of the same per-expert shape.
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        m_bucket: int,
+        slot_lanes: int,
+        warps: int,
+        use_pdl: bool = True,
+    ):
+        if stage not in (STAGE_GATE_UP, STAGE_DOWN):
+            raise ValueError(f"unknown stage {stage!r}")
+        if inter % TOKENS_PER_MMA or hidden % ROWS_PER_TILE:
+            raise ValueError(
+                f"need I % {TOKENS_PER_MMA} == 0 and H % {ROWS_PER_TILE} == 0, "
+                f"got I={inter}, H={hidden}"
+            )
+        self.stage, self.hidden, self.inter = stage, hidden, inter
+        self.num_experts, self.m_bucket = num_experts, m_bucket
+        self.slot_lanes, self.warps, self.use_pdl = slot_lanes, warps, use_pdl
+        self.halves = halves_for(m_bucket)
+        self.table = RoutingTable(num_experts, top_k)
+        if stage == STAGE_GATE_UP:
+            self.k, self.tiles = hidden, inter // TOKENS_PER_MMA
+            self.rows, self.out_cols = 2 * inter, inter
+        else:
+            self.k, self.tiles = inter, hidden // ROWS_PER_TILE
+            self.rows, self.out_cols = hidden, hidden
+        self.expert_elems = self.rows * self.k
+        total_steps = ceil_div(self.k // CHUNK, LANES_PER_QUAD)
+        steps = ceil_div(total_steps, warps)
+        if steps * (warps - 1) >= total_steps:
+            raise ValueError(f"{warps} warps leave one without K work for K={self.k}")
+        k_ragged = steps * warps * STEP_K != self.k
+        # One main loop per MMA width (the 16-token bucket uses both).
+        self.mmas = {
+            h: WarpRowTileMma(self.k, steps, UNROLL_BY_HALVES[h], h, k_ragged)
+            for h in range(1, self.halves + 1)
+        }
+        self.threads = warps * WARP_THREADS
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        shared_w_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        m: Int32,
+        stream: cuda.CUstream,
+    ):
+        red_bytes = self.warps * WARP_THREADS * 4 * self.halves * 4
+        self.kernel(x_ptr, w_ptr, shared_w_ptr, table_ptr, out_ptr, m).launch(
+            grid=[self.tiles, self.slot_lanes, 1],
+            block=[self.threads, 1, 1],
+            smem=red_bytes + 64,
+            stream=stream,
+            use_pdl=self.use_pdl,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        shared_w_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        m: Int32,
+    ):
+        tab = self.table
+        tile, slot_lane, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        red = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((self.warps, WARP_THREADS, 4 * self.halves)),
+            16,
+        )
+        table = cute.make_tensor(table_ptr, cute.make_layout((tab.size,)))
+        if const_expr(self.stage == STAGE_GATE_UP):
+            # The shared expert's weights and tokens are known before the
+            # router finishes: stream them first.
+            if slot_lane == 0:
+                self._unit(
+                    Int32(0), tile, x_ptr, w_ptr, shared_w_ptr, table, out_ptr,
+                    red, m, self.use_pdl,
+                )  # fmt: skip
+            if const_expr(self.use_pdl):
+                cute.arch.griddepcontrol_wait()
+                # Only now: ``down`` reads the routing table before its wait.
+                cute.arch.griddepcontrol_launch_dependents()
+            first = slot_lane
+            if slot_lane == 0:
+                first = Int32(self.slot_lanes)
+            for unit in cutlass.range(first, table[tab.count] + 1, self.slot_lanes):
+                self._unit(
+                    unit, tile, x_ptr, w_ptr, shared_w_ptr, table, out_ptr, red,
+                    m, False,
+                )  # fmt: skip
+        else:
+            if const_expr(self.use_pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+            # The router finished before ``gate_up`` let this grid launch.
+            for unit in cutlass.range(slot_lane, table[tab.count] + 1, self.slot_lanes):
+                self._unit(
+                    unit, tile, x_ptr, w_ptr, shared_w_ptr, table, out_ptr, red,
+                    m, self.use_pdl,
+                )  # fmt: skip
+
+    @cute.jit
+    def _unit(
+        self, unit, tile, x_ptr, w_ptr, shared_w_ptr, table, out_ptr, red, m,
+        weights_before_wait: cutlass.Constexpr,
+    ):  # fmt: skip
+        """One expert (``unit`` 0: shared, else routed slot ``unit - 1``) for
+        this CTA's tile of output columns."""
+        tab = self.table
+        # Selects, not branches (this runs inside the dynamic slot loop); for
+        # the shared unit the table reads hit valid, unused entries.
+        slot = unit - 1
+        routed = unit != 0
+        # The expert's base address, re-asserted 16-byte aligned: a pointer
+        # advanced by a run-time offset would lose the alignment and with it
+        # the 16-byte vector loads.
+        expert_bytes = Int64(self.expert_elems * 2)
+        routed_base = w_ptr.toint() + Int64(table[tab.expert + slot]) * expert_bytes
+        base = _pick(routed, routed_base, shared_w_ptr.toint())
+        weight_ptr = cute.make_ptr(
+            BFloat16, base, cute.AddressSpace.gmem, assumed_align=16
+        )
+        ntok = _pick(routed, table[tab.ntok + slot], m)
+        row0 = _pick(routed, table[tab.row0 + slot], Int32(0))
+        if const_expr(self.halves == 1):
+            self._project(
+                1, slot, routed, tile, weight_ptr, x_ptr, table, out_ptr, red,
+                ntok, row0, weights_before_wait,
+            )  # fmt: skip
+        else:
+            # Most slots hold <= 8 tokens even at M = 16: their path runs one
+            # MMA per fragment with the deeper load batch.
+            if ntok <= TOKENS_PER_MMA:
+                self._project(
+                    1, slot, routed, tile, weight_ptr, x_ptr, table, out_ptr, red,
+                    ntok, row0, weights_before_wait,
+                )  # fmt: skip
+            else:
+                self._project(
+                    2, slot, routed, tile, weight_ptr, x_ptr, table, out_ptr, red,
+                    ntok, row0, weights_before_wait,
+                )  # fmt: skip
+
+    @cute.jit
+    def _project(
+        self, halves: cutlass.Constexpr, slot, routed, tile, weight_ptr, x_ptr,
+        table, out_ptr, red, ntok, row0, weights_before_wait: cutlass.Constexpr,
+    ):  # fmt: skip
+        """This CTA's output tile of one expert for its ``ntok`` tokens, with
+        ``halves`` 8-token MMA columns."""
+        tab, mma = self.table, self.mmas[halves]
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % WARP_THREADS
+        quad_row = lane // LANES_PER_QUAD
+        quad_lane = lane % LANES_PER_QUAD
+        k_chunks = self.k // CHUNK
+        w_chunks = cute.make_tensor(
+            weight_ptr,
+            cute.make_layout((self.rows, k_chunks, CHUNK), stride=(self.k, CHUNK, 1)),
+        )
+        x_chunks = cute.make_tensor(
+            x_ptr,
+            cute.make_layout(
+                (self.table.max_rows, k_chunks, CHUNK), stride=(self.k, CHUNK, 1)
+            ),
+        )
+        x_rows = []
+        for h in cutlass.range_constexpr(halves):
+            pos = cutlass.min(quad_row + h * TOKENS_PER_MMA, ntok - 1)
+            if const_expr(self.stage == STAGE_GATE_UP):
+                slot_token = table[tab.tokens + slot * MAX_TOKENS + pos]
+                x_rows.append(_pick(routed, slot_token, pos))
+            else:
+                x_rows.append(row0 + pos)
+        if const_expr(self.stage == STAGE_GATE_UP):
+            # Tile i: gate rows 8i..8i+7, then the matching up rows.
+            row_lo = tile * TOKENS_PER_MMA + quad_row
+            row_hi = row_lo + self.inter
+        else:
+            row_lo = tile * ROWS_PER_TILE + quad_row
+            row_hi = row_lo + TOKENS_PER_MMA
+        acc = new_accumulators(halves)
+        mma.accumulate(
+            acc, w_chunks, row_lo, row_hi, x_chunks, x_rows, warp * mma.steps,
+            quad_lane, weights_before_wait,
+        )  # fmt: skip
+        total = cute.make_rmem_tensor((4 * halves,), Float32)
+        mma.reduce_warps(acc, total, red, warp, lane, self.warps)
+        if warp == 0:
+            if const_expr(self.stage == STAGE_GATE_UP):
+                out = cute.make_tensor(
+                    out_ptr,
+                    cute.make_layout(
+                        (self.table.max_rows, self.inter), stride=(self.inter, 1)
+                    ),
+                )
+                col = tile * TOKENS_PER_MMA + quad_row
+                for h in cutlass.range_constexpr(halves):
+                    for v in cutlass.range_constexpr(2):
+                        token = h * TOKENS_PER_MMA + 2 * quad_lane + v
+                        gate = total[4 * h + v]
+                        up = total[4 * h + 2 + v]
+                        silu = gate / (Float32(1.0) + cute.math.exp(-gate))
+                        if token < ntok:
+                            out[row0 + token, col] = (silu * up).to(BFloat16)
+            else:
+                out = cute.make_tensor(
+                    out_ptr,
+                    cute.make_layout(
+                        (self.table.max_rows, self.hidden), stride=(self.hidden, 1)
+                    ),
+                )
+                for h in cutlass.range_constexpr(halves):
+                    for v in cutlass.range_constexpr(4):
+                        token = h * TOKENS_PER_MMA + 2 * quad_lane + (v % 2)
+                        row = (
+                            tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * (v // 2)
+                        )
+                        if token < ntok:
+                            out[row0 + token, row] = total[4 * h + v]
+
+
+class MoeCombineKernel:
+    """``shared + sum_k w_k y_k`` per token (launch 4), optionally + residual
+    and RMSNorm: ``residual_out = residual + moe`` (bf16) and
+    ``out = rmsnorm(residual_out) * gamma``."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        m_bucket: int,
+        residual_rmsnorm: bool,
+        eps: float = 1e-5,
+        use_pdl: bool = True,
+    ):
+        if hidden % CHUNK:
+            raise ValueError(f"hidden={hidden} must be a multiple of {CHUNK}")
+        self.hidden, self.top_k, self.m_bucket = hidden, top_k, m_bucket
+        self.residual_rmsnorm, self.eps, self.use_pdl = residual_rmsnorm, eps, use_pdl
+        self.table = RoutingTable(num_experts, top_k)
+        self.chunks = hidden // CHUNK
+        self.threads = ceil_div(self.chunks, WARP_THREADS) * WARP_THREADS
+        self.warps = self.threads // WARP_THREADS
+
+    @cute.jit
+    def __call__(
+        self,
+        y_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        weight_ptr: cute.Pointer,
+        residual_ptr: cute.Pointer,
+        residual_out_ptr: cute.Pointer,
+        gamma_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        m: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(
+            y_ptr,
+            table_ptr,
+            weight_ptr,
+            residual_ptr,
+            residual_out_ptr,
+            gamma_ptr,
+            out_ptr,
+            m,
+        ).launch(  # fmt: skip
+            grid=[self.m_bucket, 1, 1],
+            block=[self.threads, 1, 1],
+            smem=4 * self.warps + 64,
+            stream=stream,
+            use_pdl=self.use_pdl,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        y_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        weight_ptr: cute.Pointer,
+        residual_ptr: cute.Pointer,
+        residual_out_ptr: cute.Pointer,
+        gamma_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        m: Int32,
+    ):
+        tab, hidden, top_k = self.table, self.hidden, self.top_k
+        tidx, _, _ = cute.arch.thread_idx()
+        token, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % WARP_THREADS
+        if const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
+        smem = cutlass.utils.SmemAllocator()
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
+        rstd = smem.allocate_tensor(Float32, cute.make_layout((1,)), 4)
+        if token < m:
+            table = cute.make_tensor(table_ptr, cute.make_layout((tab.size,)))
+            weights = cute.make_tensor(
+                weight_ptr, cute.make_layout((MAX_TOKENS, top_k), stride=(top_k, 1))
+            )
+            y = cute.make_tensor(
+                y_ptr,
+                cute.make_layout(
+                    (tab.max_rows, self.chunks, 2, Y_HALF),
+                    stride=(hidden, CHUNK, Y_HALF, 1),
+                ),
+            )
+            row_layout = cute.make_layout(
+                (MAX_TOKENS, self.chunks, CHUNK), stride=(hidden, CHUNK, 1)
+            )
+            # Threads past the row load chunk 0 (in bounds) and store nothing.
+            chunk = _pick(tidx < self.chunks, tidx, Int32(0))
+            acc = cute.make_rmem_tensor((CHUNK,), Float32)
+            part = cute.make_rmem_tensor((Y_HALF,), Float32)
+            for half in cutlass.range_constexpr(2):
+                cute.autovec_copy(y[token, chunk, half, None], part)
+                for i in cutlass.range_constexpr(Y_HALF):
+                    acc[half * Y_HALF + i] = part[i]
+            # Fixed order (shared, choice 0, 1, ...): bit-reproducible.
+            for k in cutlass.range_constexpr(top_k):
+                row = table[tab.route_row + token * top_k + k]
+                weight = weights[token, k]
+                for half in cutlass.range_constexpr(2):
+                    cute.autovec_copy(y[row, chunk, half, None], part)
+                    for i in cutlass.range_constexpr(Y_HALF):
+                        acc[half * Y_HALF + i] = (
+                            acc[half * Y_HALF + i] + weight * part[i]
+                        )
+            out = cute.make_tensor(out_ptr, row_layout)
+            res = cute.make_rmem_tensor((CHUNK,), BFloat16)
+            if const_expr(self.residual_rmsnorm):
+                residual = cute.make_tensor(residual_ptr, row_layout)
+                residual_out = cute.make_tensor(residual_out_ptr, row_layout)
+                gamma = cute.make_tensor(
+                    gamma_ptr, cute.make_layout((self.chunks, CHUNK), stride=(CHUNK, 1))
+                )
+                old = cute.make_rmem_tensor((CHUNK,), BFloat16)
+                g = cute.make_rmem_tensor((CHUNK,), BFloat16)
+                cute.autovec_copy(residual[token, chunk, None], old)
+                cute.autovec_copy(gamma[chunk, None], g)
+                square_sum = Float32(0.0)
+                for i in cutlass.range_constexpr(CHUNK):
+                    # Normalise exactly what is stored (as fused_add_rms_norm).
+                    res[i] = (acc[i] + old[i].to(Float32)).to(BFloat16)
+                    v = res[i].to(Float32)
+                    square_sum = square_sum + v * v
+                square_sum = _pick(tidx < self.chunks, square_sum, Float32(0.0))
+                for o in cutlass.range_constexpr(5):
+                    square_sum = square_sum + cute.arch.shuffle_sync_bfly(
+                        square_sum, 16 >> o
+                    )
+                if lane == 0:
+                    warp_sums[warp] = square_sum
+                cute.arch.sync_threads()
+                if tidx == 0:
+                    total = warp_sums[0]
+                    for w in cutlass.range_constexpr(1, self.warps):
+                        total = total + warp_sums[w]
+                    rstd[0] = cute.math.rsqrt(
+                        total / Float32(hidden) + Float32(self.eps)
+                    )
+                cute.arch.sync_threads()
+                scale = rstd[0]
+                normed = cute.make_rmem_tensor((CHUNK,), BFloat16)
+                for i in cutlass.range_constexpr(CHUNK):
+                    n = (res[i].to(Float32) * scale).to(BFloat16)
+                    normed[i] = (n.to(Float32) * g[i].to(Float32)).to(BFloat16)
+                if tidx < self.chunks:
+                    cute.autovec_copy(res, residual_out[token, chunk, None])
+                    cute.autovec_copy(normed, out[token, chunk, None])
+            else:
+                for i in cutlass.range_constexpr(CHUNK):
+                    res[i] = acc[i].to(BFloat16)
+                if tidx < self.chunks:
+                    cute.autovec_copy(res, out[token, chunk, None])

@@ -1,0 +1,384 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Bind one MoE layer's weights once; launch the small-batch MoE per step.
+
+``PreparedMoe`` takes the layer's tensors as vLLM holds them (router
+``[E, H]``, score-correction bias ``[E]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``,
+shared expert ``gate_up [2I, H]`` and ``down [H, I]``) without copying or
+repacking any weight: the kernels read vLLM's layout in place.  It owns a
+small workspace (routing table, FP32 expert outputs, counters the kernels
+re-arm themselves) and compiles one kernel set per M-bucket (1, 2, 4, 8, 16)
+on first use, cached process-wide.  ``run()`` validates, builds raw pointers
+and makes four launches on the current stream: no host sync, no allocation,
+so it can be captured in a CUDA graph and replayed.
+
+One ``PreparedMoe`` owns one workspace: do not run the same instance
+concurrently on two streams.
+"""
+
+import time
+from dataclasses import dataclass
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from ..common.host import current_stream, gmem_ptr
+from ..common.skinny_mma import CHUNK, LANES_PER_QUAD, MAX_TOKENS, ceil_div
+from .kernel import (
+    STAGE_DOWN,
+    STAGE_GATE_UP,
+    UNROLL_BY_HALVES,
+    MoeCombineKernel,
+    MoeExpertKernel,
+    MoeRouterKernel,
+    RoutingTable,
+)
+
+M_BUCKETS = (1, 2, 4, 8, 16)
+WARPS_PER_CTA = 4
+# Each CTA of the expert launches walks the slots lane, lane + SLOT_LANES, ...:
+# up to this many CTA columns, so M = 1 (9 experts with the shared one) runs one
+# expert per CTA and M = 16 (up to 129) about four (32 beat 8 and 16 by 2-5% at
+# M = 16 on the H200, docs/perf/moe.json diagnostics).
+MAX_SLOT_LANES = 32
+# The router's last CTA runs top-k with one warp per token (serially beyond
+# its warp count: ~2.5 us per token on the H200) and builds the table with one
+# thread per expert, so it is wider than the expert CTAs.
+ROUTER_WARPS = 8
+# Router split-K: the most CTAs per 16-expert tile, and the fewest K steps a
+# warp gets (fewer makes the reduction cost more than the loads it spreads).
+ROUTER_MAX_SPLIT = 8
+ROUTER_MIN_STEPS = 3
+
+_COMPILED: dict[tuple, object] = {}
+COMPILE_SECONDS: dict[tuple, float] = {}
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """CTA shape of the expert launches (defaults from H200 sweeps)."""
+
+    warps: int = WARPS_PER_CTA
+    max_slot_lanes: int = MAX_SLOT_LANES
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    hidden: int
+    inter: int
+    num_experts: int
+    top_k: int
+
+
+def m_bucket_for(m: int) -> int:
+    for bucket in M_BUCKETS:
+        if m <= bucket:
+            return bucket
+    raise ValueError(f"M={m} is outside 1..{MAX_TOKENS} (small-batch MoE)")
+
+
+def router_split(hidden: int, warps: int = ROUTER_WARPS) -> int:
+    """Largest split of the router's K over CTAs that keeps every warp busy
+    with at least ``ROUTER_MIN_STEPS`` K steps."""
+    total = ceil_div(hidden // CHUNK, LANES_PER_QUAD)
+    for split in range(ROUTER_MAX_SPLIT, 0, -1):
+        slices = split * warps
+        steps = ceil_div(total, slices)
+        if steps >= ROUTER_MIN_STEPS and steps * (slices - 1) < total:
+            return split
+    return 1
+
+
+def slot_lanes_for(
+    bucket: int, shape: MoeShape, max_lanes: int = MAX_SLOT_LANES
+) -> int:
+    return min(1 + min(shape.num_experts, bucket * shape.top_k), max_lanes)
+
+
+def _ptr(t: torch.Tensor, dtype) -> cute.Pointer:
+    return gmem_ptr(t, dtype, assumed_align=16)
+
+
+def _check(name: str, t, shape: tuple, dtype, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the experts on {device}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned for vector loads")
+
+
+class PreparedMoe:
+    """Kimi-style MoE block for M <= 16 tokens on SM90.
+
+    ``y = shared(x) + sum_k w_k * expert_k(x)`` with sigmoid routing: scores
+    ``sigmoid(x @ gate_weight^T)`` (logits rounded to bf16), experts chosen on
+    ``scores + e_score_correction_bias`` (top-k, ties to the lower id),
+    weights = chosen scores, renormalised to sum 1 when ``renormalize``,
+    times ``routed_scaling_factor``.  Experts: ``SiLU(x Wg^T) * (x Wu^T) W2^T``.
+
+    With ``rmsnorm_weight`` the block also adds ``residual`` and normalises:
+    ``residual_out = residual + y`` (bf16), ``out = rmsnorm(residual_out) *
+    rmsnorm_weight`` (the MoE -> next-layer input-norm seam); else
+    ``out = y``.
+    """
+
+    def __init__(
+        self,
+        gate_weight: torch.Tensor,
+        e_score_correction_bias: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        shared_gate_up: torch.Tensor,
+        shared_down: torch.Tensor,
+        top_k: int,
+        routed_scaling_factor: float,
+        renormalize: bool = True,
+        rmsnorm_weight: torch.Tensor | None = None,
+        eps: float = 1e-5,
+        use_pdl: bool = True,
+        config: MoeConfig | None = None,
+    ):
+        if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
+            raise ValueError("w13 must be a 3-D [E, 2*I, H] torch.Tensor")
+        if not w13.is_cuda:
+            raise ValueError(f"w13 must be on a CUDA device, got {w13.device}")
+        num_experts, two_inter, hidden = w13.shape
+        if two_inter % 2:
+            raise ValueError(f"w13 must be [E, 2*I, H], got {tuple(w13.shape)}")
+        inter = two_inter // 2
+        self.shape = MoeShape(hidden, inter, num_experts, top_k)
+        self.device = w13.device
+        bf16 = torch.bfloat16
+        _check("w13", w13, (num_experts, 2 * inter, hidden), bf16, self.device)
+        _check("w2", w2, (num_experts, hidden, inter), bf16, self.device)
+        _check("gate_weight", gate_weight, (num_experts, hidden), bf16, self.device)
+        _check(
+            "shared_gate_up (one shared expert of the routed experts' size)",
+            shared_gate_up,
+            (2 * inter, hidden),
+            bf16,
+            self.device,
+        )
+        _check("shared_down", shared_down, (hidden, inter), bf16, self.device)
+        if not 1 <= top_k <= min(num_experts, 32):
+            raise ValueError(f"top_k={top_k} must be in 1..min(E, 32)")
+        if hidden % 16 or inter % 8:
+            raise ValueError(
+                f"need H % 16 == 0 and I % 8 == 0, got H={hidden}, I={inter}"
+            )
+        if num_experts % 128 or num_experts > 1024:
+            raise ValueError(
+                f"num_experts={num_experts} must be a multiple of 128, <= 1024"
+            )
+        if e_score_correction_bias is None or tuple(e_score_correction_bias.shape) != (
+            num_experts,
+        ):
+            raise ValueError(
+                f"e_score_correction_bias must have shape ({num_experts},)"
+            )
+        self.top_k, self.scale, self.renormalize = (
+            top_k,
+            routed_scaling_factor,
+            renormalize,
+        )
+        self.eps, self.use_pdl = eps, use_pdl
+        self.config = config or MoeConfig()
+        self.w13, self.w2 = w13, w2
+        self.gate_weight = gate_weight
+        self.shared_gate_up, self.shared_down = shared_gate_up, shared_down
+        # FP32 copy of the bias (1 KiB): the router adds it in FP32.
+        self.bias = e_score_correction_bias.detach().to(torch.float32).contiguous()
+        if rmsnorm_weight is not None:
+            _check("rmsnorm_weight", rmsnorm_weight, (hidden,), bf16, self.device)
+        self.gamma = rmsnorm_weight
+
+        table = RoutingTable(num_experts, top_k)
+        self.split_k = router_split(hidden)
+        tiles = num_experts // 16
+        # Workspace: router partials + logits, counters, routing table and
+        # weights, the gate_up output h and the FP32 expert outputs y.
+        partial_elems = tiles * self.split_k * 32 * 8 if self.split_k > 1 else 4
+        f32, i32 = torch.float32, torch.int32
+        dev = self.device
+        self.partials = torch.empty(partial_elems, dtype=f32, device=dev)
+        self.logits = torch.empty(MAX_TOKENS * num_experts, dtype=f32, device=dev)
+        self.counters = torch.zeros(tiles + 1, dtype=i32, device=dev)
+        self.table = torch.zeros(table.size, dtype=i32, device=dev)
+        self.route_weights = torch.zeros(MAX_TOKENS * top_k, dtype=f32, device=dev)
+        self.h = torch.empty(table.max_rows, inter, dtype=bf16, device=dev)
+        self.y = torch.empty(table.max_rows, hidden, dtype=f32, device=dev)
+        buffers = (
+            self.partials, self.logits, self.counters, self.table,
+            self.route_weights, self.h, self.y, self.bias,
+        )  # fmt: skip
+        self.workspace_bytes = sum(b.numel() * b.element_size() for b in buffers)
+        # No weight is copied or repacked.
+        self.extra_bytes = 0
+        self._fns: dict[int, tuple] = {}
+
+    # ------------------------------------------------------------- compiling
+    def _kernels(self, bucket: int) -> tuple:
+        s = self.shape
+        halves = 1 if bucket <= 8 else 2
+        unroll = UNROLL_BY_HALVES[halves]
+        lanes = slot_lanes_for(bucket, s, self.config.max_slot_lanes)
+        warps = self.config.warps
+        fused = self.gamma is not None
+        return (
+            MoeRouterKernel(
+                s.hidden, s.num_experts, s.top_k, bucket, self.split_k,
+                ROUTER_WARPS, unroll, self.scale, self.renormalize, self.use_pdl,
+            ),
+            MoeExpertKernel(
+                STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
+                lanes, warps, self.use_pdl,
+            ),
+            MoeExpertKernel(
+                STAGE_DOWN, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
+                lanes, warps, self.use_pdl,
+            ),
+            MoeCombineKernel(
+                s.hidden, s.num_experts, s.top_k, bucket, fused, self.eps,
+                self.use_pdl,
+            ),
+        )  # fmt: skip
+
+    def _key(self, bucket: int) -> tuple:
+        return (
+            self.shape, bucket, self.split_k, self.scale, self.renormalize,
+            self.gamma is not None, self.eps, self.use_pdl, self.config,
+        )  # fmt: skip
+
+    def compile(self, buckets=M_BUCKETS) -> dict[int, float]:
+        """Compile (or fetch from the process cache); seconds per bucket."""
+        seconds = {}
+        bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+        for bucket in buckets:
+            key = self._key(bucket)
+            if key not in _COMPILED:
+                router, gate_up, down, combine = self._kernels(bucket)
+                w13, w2 = _ptr(self.w13, bf16), _ptr(self.w2, bf16)
+                x = _ptr(self.h, bf16)
+                tab, wts = _ptr(self.table, i32), _ptr(self.route_weights, f32)
+                y = _ptr(self.y, f32)
+                m, stream = cutlass.Int32(1), cuda.CUstream(0)
+                start = time.perf_counter()
+                _COMPILED[key] = (
+                    cute.compile(
+                        router, x, _ptr(self.gate_weight, bf16),
+                        _ptr(self.bias, f32), _ptr(self.partials, f32),
+                        _ptr(self.logits, f32), _ptr(self.counters, i32), tab,
+                        wts, m, stream,
+                    ),
+                    cute.compile(
+                        gate_up, x, w13, w13, tab, x, m, stream
+                    ),
+                    cute.compile(down, x, w2, w2, tab, y, m, stream),
+                    cute.compile(
+                        combine, y, tab, wts, x, x, x, x, m, stream
+                    ),
+                )  # fmt: skip
+                COMPILE_SECONDS[key] = time.perf_counter() - start
+            self._fns[bucket] = _COMPILED[key]
+            seconds[bucket] = COMPILE_SECONDS[key]
+        return seconds
+
+    # --------------------------------------------------------------- running
+    def run(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Launch on the current stream; returns ``out``.  Raises before launch
+        on wrong dtype/shape/device, non-contiguous or misaligned tensors."""
+        for launch in self.launches(x, out, residual, residual_out):
+            launch()
+        return out
+
+    def launches(
+        self,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,
+    ) -> tuple:
+        """The four launches of ``run`` (router, gate_up, down, combine) as
+        callables, validated and bound; benchmarks time prefixes of them."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ValueError("x must be a 2-D [M, H] torch.Tensor")
+        m, hidden = x.shape[0], self.shape.hidden
+        if not 1 <= m <= MAX_TOKENS:
+            raise ValueError(f"M={m} is outside 1..{MAX_TOKENS} (small-batch MoE)")
+        bucket = m_bucket_for(m)
+        if x.shape[1] != hidden:
+            raise ValueError(f"hidden mismatch: x has {x.shape[1]}, experts {hidden}")
+        bf16 = torch.bfloat16
+        _check("x", x, (m, hidden), bf16, self.device)
+        _check("out", out, (m, hidden), bf16, self.device)
+        if self.gamma is not None:
+            if residual is None or residual_out is None:
+                raise ValueError("a fused RMSNorm needs residual and residual_out")
+            _check("residual", residual, (m, hidden), bf16, self.device)
+            _check("residual_out", residual_out, (m, hidden), bf16, self.device)
+            gamma = _ptr(self.gamma, cutlass.BFloat16)
+            res = _ptr(residual, cutlass.BFloat16)
+            res_out = _ptr(residual_out, cutlass.BFloat16)
+        else:
+            if residual is not None or residual_out is not None:
+                raise ValueError("residual needs the fused RMSNorm (rmsnorm_weight)")
+            gamma = res = res_out = _ptr(out, cutlass.BFloat16)  # never touched
+        fns = self._fns.get(bucket)
+        if fns is None:
+            self.compile((bucket,))
+            fns = self._fns[bucket]
+        router, gate_up, down, combine = fns
+        bf, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+        stream = current_stream(self.device)
+        x_ptr, tab = _ptr(x, bf), _ptr(self.table, i32)
+        wts, h, y = _ptr(self.route_weights, f32), _ptr(self.h, bf), _ptr(self.y, f32)
+        w13, w2 = _ptr(self.w13, bf), _ptr(self.w2, bf)
+        shared_gate_up, shared_down = (
+            _ptr(self.shared_gate_up, bf),
+            _ptr(self.shared_down, bf),
+        )
+        router_args = (
+            x_ptr, _ptr(self.gate_weight, bf), _ptr(self.bias, f32),
+            _ptr(self.partials, f32), _ptr(self.logits, f32),
+            _ptr(self.counters, i32), tab, wts, m, stream,
+        )  # fmt: skip
+        out_ptr = _ptr(out, bf)
+        return (
+            lambda: router(*router_args),
+            lambda: gate_up(x_ptr, w13, shared_gate_up, tab, h, m, stream),
+            lambda: down(h, w2, shared_down, tab, y, m, stream),
+            lambda: combine(y, tab, wts, res, res_out, gamma, out_ptr, m, stream),
+        )
+
+    def routing(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [m, top_k] int64, weights [m, top_k] fp32) of the last
+        run, read back from the routing table (for tests and benchmarks)."""
+        t = RoutingTable(self.shape.num_experts, self.top_k)
+        table = self.table.cpu()
+        rows = table[t.route_row : t.route_row + m * self.top_k].view(m, self.top_k)
+        count = int(table[t.count])
+        row0 = table[t.row0 : t.row0 + count]
+        experts = table[t.expert : t.expert + count]
+        slot_of_row = torch.searchsorted(row0, rows.flatten(), right=True) - 1
+        ids = experts[slot_of_row].view(m, self.top_k).long()
+        weights = self.route_weights.cpu()[: m * self.top_k].view(m, self.top_k)
+        return ids, weights
+
+    def distinct_experts(self) -> int:
+        """Distinct routed experts of the last run (host sync: not in graphs)."""
+        return int(self.table[0].item())

@@ -1,0 +1,243 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Small-batch CuTe DSL MoE (kernels/moe) against a pure-torch FP32 reference.
+
+Kimi-Linear-48B-A3B shape (256 experts, top-8, H = 2304, I = 1024, one shared
+expert), M = 1..16, random and adversarial routing.  Needs an SM90 GPU and
+nvidia-cutlass-dsl; skips with the reason otherwise.
+
+Routing is checked exactly: the kernel's bf16 logits must equal the FP64
+logits rounded to bf16 up to one bf16 ulp plus the FP32 accumulation error,
+and the expert ids (in choice order) must equal the reference top-k computed
+from the kernel's own logits; the weights to 1e-5 relative.
+
+Output tolerances (bf16 output; the kernel rounds the SiLU*up intermediate to
+bf16 as vLLM's fused_moe does, the reference keeps FP32):
+  * elementwise |got - ref| <= ATOL + RTOL * |ref|, ATOL = RTOL = 3e-2
+    (outputs are O(1); bf16 output rounding is 2^-9 relative);
+  * normwise ||got - ref|| / ||ref|| <= 8e-3 (bf16 operands + one bf16
+    intermediate land at ~3e-3).
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (CuTe DSL) is not installed")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU: the MoE kernels run on SM90 only", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip(f"needs an SM90 GPU, found {torch.cuda.get_device_name()}", allow_module_level=True)
+
+from moe_reference import moe_reference, router_logits, select_experts  # noqa: E402
+
+from kernels.moe.prepared import PreparedMoe  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, INTER, EXPERTS, TOP_K, SCALE = 2304, 1024, 256, 8, 2.446
+ATOL = RTOL = 3e-2
+NORM_RTOL = 8e-3
+EPS = 1e-5
+ONE_SET = [5, 40, 77, 100, 128, 200, 254, 255]
+
+
+@pytest.fixture(scope="module")
+def experts():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf16 = torch.bfloat16
+
+    def randn(*shape, std):
+        return (torch.randn(*shape, generator=g, device="cuda") * std).to(bf16)
+
+    return {
+        "w13": randn(EXPERTS, 2 * INTER, HIDDEN, std=HIDDEN**-0.5),
+        "w2": randn(EXPERTS, HIDDEN, INTER, std=INTER**-0.5),
+        "shared_gate_up": randn(2 * INTER, HIDDEN, std=HIDDEN**-0.5),
+        "shared_down": randn(HIDDEN, INTER, std=INTER**-0.5),
+        "gamma": (1.0 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).to(bf16),
+    }
+
+
+def _routing_case(regime: str, m: int, seed: int):
+    """(x [m, H], gate [E, H], bias [E]) for a routing regime."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev, bf16 = "cuda", torch.bfloat16
+    x = torch.randn(m, HIDDEN, generator=g, device=dev).to(bf16)
+    bias = torch.zeros(EXPERTS, device=dev)
+    if regime == "random":
+        gate = torch.randn(EXPERTS, HIDDEN, generator=g, device=dev) * HIDDEN**-0.5
+        bias = 0.1 * torch.randn(EXPERTS, generator=g, device=dev)
+    elif regime == "dummy":  # vLLM's dummy loader: U(-1e-3, 1e-3) everywhere
+        gate = (torch.rand(EXPERTS, HIDDEN, generator=g, device=dev) - 0.5) * 2e-3
+        bias = (torch.rand(EXPERTS, generator=g, device=dev) - 0.5) * 2e-3
+    elif regime == "one_set":  # every token on the same 8 experts
+        gate = torch.randn(EXPERTS, HIDDEN, generator=g, device=dev) * HIDDEN**-0.5
+        bias[ONE_SET] = 10.0
+    elif regime == "distinct":  # token t on experts 8t..8t+7: 8m distinct
+        x = torch.zeros(m, HIDDEN, device=dev)
+        x[torch.arange(m), torch.arange(m)] = 8.0
+        x = x.to(bf16)
+        gate = torch.zeros(EXPERTS, HIDDEN, device=dev)
+        gate[torch.arange(EXPERTS), torch.arange(EXPERTS) // TOP_K] = 1.0
+    elif regime == "ties":  # every score equal: experts 0..7 for every token
+        gate = torch.zeros(EXPERTS, HIDDEN, device=dev)
+    elif regime == "bias_ties":  # 64 experts share the best biased score
+        gate = torch.zeros(EXPERTS, HIDDEN, device=dev)
+        bias = (torch.arange(EXPERTS, device=dev) % 4).float() * 0.1
+    else:
+        raise AssertionError(regime)
+    return x, gate.to(bf16).contiguous(), bias
+
+
+def _prepare(experts, gate, bias, fused=False):
+    return PreparedMoe(
+        gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+        experts["shared_down"], TOP_K, SCALE,
+        rmsnorm_weight=experts["gamma"] if fused else None, eps=EPS,
+    )  # fmt: skip
+
+
+def _assert_close(got: torch.Tensor, ref: torch.Tensor, what: str):
+    got, ref = got.float(), ref.float()
+    err = (got - ref).abs()
+    bound = ATOL + RTOL * ref.abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"{what}: max excess over tolerance {worst:.3e}"
+    norm = (err.norm() / ref.norm()).item()
+    assert norm <= NORM_RTOL, f"{what}: normwise error {norm:.3e} > {NORM_RTOL}"
+
+
+def _check_routing(moe: PreparedMoe, x, gate, bias, m):
+    """Kernel logits vs FP64 within 1 bf16 ulp; ids exact; weights 1e-5."""
+    got_logits = moe.logits[: m * EXPERTS].view(m, EXPERTS)
+    ref_logits = router_logits(x, gate)
+    # One bf16 ulp of the value, plus the FP32 accumulation error of a
+    # K = 2304 dot product (~sqrt(K) * 2^-24 of the sum of |terms|, taken
+    # with 8x margin): near-cancelling logits may round to a neighbour.
+    terms = x.abs().double() @ gate.abs().double().T
+    bound = torch.finfo(torch.bfloat16).eps * ref_logits.abs() + 8 * 48 * 2**-24 * terms
+    excess = ((got_logits - ref_logits).abs() - bound.float()).max().item()
+    assert excess <= 0, f"router logits off by more than 1 ulp + FP32 error ({excess:.2e})"
+    ids, weights = moe.routing(m)
+    ref_ids, ref_weights = select_experts(got_logits, bias, TOP_K, SCALE)
+    assert torch.equal(ids, ref_ids.cpu()), f"expert ids differ:\n{ids}\n{ref_ids}"
+    torch.testing.assert_close(weights, ref_weights.cpu(), rtol=1e-5, atol=1e-7)
+    assert moe.distinct_experts() == ref_ids.unique().numel()
+    return ref_ids, ref_weights
+
+
+def _run_and_check(experts, regime, m, seed, fused=False):
+    x, gate, bias = _routing_case(regime, m, seed)
+    moe = _prepare(experts, gate, bias, fused)
+    out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    if fused:
+        residual = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
+        residual_out = torch.empty_like(residual)
+        moe.run(x, out, residual, residual_out)
+    else:
+        moe.run(x, out)
+    torch.cuda.synchronize()
+    ids, weights = _check_routing(moe, x, gate, bias, m)
+    w = experts
+    if fused:
+        normed, hidden = moe_reference(
+            x, ids, weights, w["w13"], w["w2"], w["shared_gate_up"], w["shared_down"],
+            residual, w["gamma"], EPS,
+        )  # fmt: skip
+        _assert_close(residual_out, hidden, "residual_out")
+        _assert_close(out, normed, "normed output")
+    else:
+        ref = moe_reference(
+            x, ids, weights, w["w13"], w["w2"], w["shared_gate_up"], w["shared_down"]
+        )
+        _assert_close(out, ref, "moe output")
+    return ids
+
+
+@pytest.mark.parametrize("m", range(1, 17))
+def test_random_routing(experts, m):
+    _run_and_check(experts, "random", m, seed=m)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_dummy_loader_routing(experts, m):
+    _run_and_check(experts, "dummy", m, seed=100 + m)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_all_tokens_on_one_expert_set(experts, m):
+    ids = _run_and_check(experts, "one_set", m, seed=200 + m)
+    assert sorted(ids.unique().tolist()) == ONE_SET
+
+
+@pytest.mark.parametrize("m", [2, 9, 16])
+def test_all_tokens_on_distinct_experts(experts, m):
+    ids = _run_and_check(experts, "distinct", m, seed=300 + m)
+    assert ids.unique().numel() == TOP_K * m
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_ties_go_to_lower_expert_ids(experts, m):
+    ids = _run_and_check(experts, "ties", m, seed=400 + m)
+    assert (ids.cpu() == torch.arange(TOP_K)).all()
+    ids = _run_and_check(experts, "bias_ties", m, seed=500 + m)
+    assert (ids.cpu() == torch.arange(3, 4 * TOP_K, 4)).all()
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_fused_residual_rmsnorm(experts, m):
+    _run_and_check(experts, "random", m, seed=600 + m, fused=True)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_graph_replays_are_bit_identical(experts, m):
+    x, gate, bias = _routing_case("random", m, seed=700 + m)
+    moe = _prepare(experts, gate, bias, fused=True)
+    out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    residual = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
+    residual_out = torch.empty_like(residual)
+    moe.run(x, out, residual, residual_out)  # compile + warm up outside the graph
+    torch.cuda.synchronize()
+    first_out, first_res = out.clone(), residual_out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.run(x, out, residual, residual_out)
+    for i in range(300):
+        out.zero_()
+        residual_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first_out), f"replay {i}: output changed"
+        assert torch.equal(residual_out, first_res), f"replay {i}: residual changed"
+
+
+def test_binds_weights_in_place(experts):
+    x, gate, bias = _routing_case("random", 1, seed=1)
+    moe = _prepare(experts, gate, bias)
+    assert moe.extra_bytes == 0
+    assert moe.w13.data_ptr() == experts["w13"].data_ptr()
+    assert moe.w2.data_ptr() == experts["w2"].data_ptr()
+    assert moe.workspace_bytes < 4 << 20
+
+
+def test_bad_inputs_raise_before_launch(experts):
+    x, gate, bias = _routing_case("random", 4, seed=2)
+    moe = _prepare(experts, gate, bias)
+    out = torch.empty(4, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(TypeError, match="bfloat16"):
+        moe.run(x.half(), out)
+    with pytest.raises(ValueError, match="outside 1..16"):
+        moe.run(torch.zeros(17, HIDDEN, dtype=torch.bfloat16, device="cuda"), out)
+    with pytest.raises(ValueError, match="outside 1..16"):
+        moe.run(x[:0], out[:0])
+    with pytest.raises(ValueError, match="hidden mismatch"):
+        moe.run(x[:, :1024], out)
+    with pytest.raises(ValueError, match="contiguous"):
+        moe.run(torch.zeros(HIDDEN, 4, dtype=torch.bfloat16, device="cuda").T, out)
+    with pytest.raises(ValueError, match="needs the fused RMSNorm"):
+        moe.run(x, out, residual=x, residual_out=out)
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        PreparedMoe(
+            gate, bias, experts["w13"], experts["w13"], experts["shared_gate_up"],
+            experts["shared_down"], TOP_K, SCALE,
+        )  # fmt: skip
