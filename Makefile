@@ -15,8 +15,8 @@ PY := $(VENV)/bin/python
 HD := $(PY) scripts/hd.py
 
 .PHONY: help venv-dev fetch import apply export lint drift ruff check build-wheel \
-	verify-wheel index venv test test-tooling test-real-pin test-upstream test-gpu \
-	pre-commit _need-vllm rebase bump-pin clean distclean
+	verify-wheel index venv test test-tooling test-real-pin test-runtime test-upstream \
+	test-gpu pre-commit _need-vllm rebase bump-pin upstream-pr clean distclean
 
 help:
 	@sed -n '2,9p' Makefile
@@ -72,6 +72,12 @@ test-tooling: venv-dev
 test-real-pin: venv apply index
 	HD_REQUIRE_REAL_PIN=1 HD_VENV=$(WHEEL_VENV) $(PY) -m pytest tests/test_real_pin.py -q
 
+# decode_backend parsing and the unsupported-deployment reasons against the patched vLLM in
+# the wheel venv (CPU; real engine configs, a stand-in H200 platform). Own process: the
+# stand-in replaces vLLM's current platform.
+test-runtime: venv
+	$(WHEEL_VENV)/bin/python -m pytest tests/runtime -q
+
 test-upstream: venv
 	$(HD) upstream-tests --python $(WHEEL_VENV)/bin/python --subset cpu
 
@@ -80,7 +86,7 @@ test-upstream: venv
 test-gpu: venv
 	$(WHEEL_VENV)/bin/python -m pytest tests/kernels -q -rs
 
-test: test-tooling test-real-pin test-upstream test-gpu
+test: test-tooling test-real-pin test-runtime test-upstream test-gpu
 
 # Move to another upstream release in two explicit steps (VLLM=<version>, e.g. 0.33.0):
 #   make rebase VLLM=X     fetch + verify X, git am -3 the series onto it (build/upstream branch

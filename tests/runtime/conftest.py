@@ -1,0 +1,31 @@
+"""Fixtures of the decode_backend tests; engine_configs.py installs the stand-in H200 platform
+and must be imported before anything else imports vllm."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_configs import BASE_ENGINE_ARGS, write_model_dir
+
+
+@pytest.fixture
+def engine_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """engine_config(model_changes=None, **engine_args) -> VllmConfig, built the way
+    `vllm serve` builds it, for the 48B config with `model_changes` applied."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_BREAKABLE_CUDAGRAPH"):
+        monkeypatch.delenv(name, raising=False)
+    built = 0
+
+    def build(model_changes: dict[str, Any] | None = None, **engine_args: Any) -> Any:
+        nonlocal built
+        built += 1
+        model = write_model_dir(tmp_path / f"model{built}", **(model_changes or {}))
+        args = {**BASE_ENGINE_ARGS, "model": str(model), **engine_args}
+        return EngineArgs(**args).create_engine_config()
+
+    return build
