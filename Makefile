@@ -103,6 +103,13 @@ rebase: _need-vllm venv-dev
 bump-pin: _need-vllm venv-dev
 	$(HD) bump-pin --to $(VLLM) $(BUMP_ARGS)
 
+# The patch set as one upstream PR: branch upstream-pr/<version> in build/upstream, the patch
+# file and vLLM's lint in build/upstream-pr/, the description in reports/upstream-pr.md.
+# Needs docs/perf/decode.json measured with the current patch set; UPSTREAM_PR_ARGS=--draft
+# writes a draft (build/upstream-pr/upstream-pr-DRAFT.md) that says what is missing instead.
+upstream-pr: venv-dev
+	$(HD) upstream-pr $(UPSTREAM_PR_ARGS)
+
 pre-commit: venv-dev
 	$(VENV)/bin/pre-commit run --all-files
 

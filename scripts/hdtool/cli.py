@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "hdtool.venv",  # venv
     "hdtool.upstream_tests",  # upstream-tests
     "hdtool.rebase",  # rebase, bump-pin
+    "hdtool.upstream_pr",  # upstream-pr
 )
 
 # The repository that holds this scripts/ directory.
