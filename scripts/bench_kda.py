@@ -5,10 +5,13 @@
 
 For batch in {1,2,4,8,16,32,64} (Kimi-Linear: 32 heads x 128), in one process:
   * ours: PreparedKda.run, one launch per layer-step (PDL on);
-  * baseline: the stock decode sequence as batched torch ops
-    (tests/kernels/kda_reference.vectorized_step: three conv updates, gate,
-    recurrence, gated RMSNorm), used where vLLM's own Triton kernels are not
-    importable -- the GPU host has no vLLM, so the report says which ran.
+  * stock: vLLM 0.26.0's own decode kernels in the order its KDA layer runs
+    them (three causal_conv1d_update, fused_kda_gate, beta sigmoid,
+    fused_recurrent_kda, rms_norm_gated), when vLLM is importable;
+  * torch ops: the same sequence as batched torch ops
+    (tests/kernels/kda_reference.vectorized_step), always.
+The summary's speedup_b1 is against the stock kernels when they ran, else
+against the torch ops; the report says which.
 Timing: L layer-steps, each on its own layer's caches (L chosen so the
 touched state is >= 3x the 60 MB L2, so state comes from HBM as in a decode
 step), are captured in one CUDA graph; the graph is replayed with CUDA events
@@ -57,6 +60,25 @@ MAX_LAYERS = 96
 STOCK_PROFILE_US_B1 = (0.14 + 0.08 + 0.04) * 1000 / 20
 
 
+def _vllm_kda_ops():
+    """vLLM 0.26.0's KDA decode kernels, or (None, reason) without vLLM."""
+    try:
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import (
+            causal_conv1d_update,
+        )
+        from vllm.third_party.flash_linear_attention.ops.kda import (
+            fused_kda_gate,
+            fused_recurrent_kda,
+            rms_norm_gated,
+        )
+    except Exception as exc:  # noqa: BLE001 - any import failure means no vLLM here
+        return None, f"vLLM not importable on this host ({type(exc).__name__}: {exc})"
+    return (causal_conv1d_update, fused_kda_gate, fused_recurrent_kda, rms_norm_gated), None
+
+
+VLLM_OPS, NO_VLLM_REASON = None, None
+
+
 class Layer:
     def __init__(self, batch, gen, warps=8):
         dev = "cuda"
@@ -83,6 +105,32 @@ class Layer:
             num_heads=HEADS, warps=16,
         )  # fmt: skip
         self.copy_dst = torch.empty_like(self.state[1:])
+        self.cu_seqlens = torch.arange(batch + 1, device=dev, dtype=torch.int32)
+
+    def stock_vllm(self, q, k, v, g1, beta, g2, slots, out):
+        """vLLM 0.26.0's decode kernels on this layer's caches (its layouts: the
+        conv state seen as (slots, channels, 3), the recurrent state as is)."""
+        conv_update, kda_gate, recurrent, norm_gated = VLLM_OPS
+        batch = q.shape[0]
+        conv_states = self.conv_state.transpose(-1, -2).chunk(3, dim=-2)
+        convs = [
+            conv_update(x, cs, w, None, activation="silu", conv_state_indices=slots)
+            for x, cs, w in zip((q, k, v), conv_states, self.conv_weight)
+        ]
+        qs, ks, vs = (t.view(1, batch, HEADS, HEAD_DIM) for t in convs)
+        g = kda_gate(g1, self.a_log.view(1, 1, HEADS, 1), HEAD_DIM, g_bias=self.dt_bias).unsqueeze(
+            0
+        )
+        o, _ = recurrent(
+            q=qs, k=ks, v=vs, g=g, beta=beta.float().sigmoid().unsqueeze(0),
+            initial_state=self.state, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=self.cu_seqlens, ssm_state_indices=slots,
+        )  # fmt: skip
+        normed = norm_gated(
+            o[0], g2.view(batch, HEADS, HEAD_DIM), self.norm_weight, None,
+            activation="sigmoid", eps=1e-5,
+        )  # fmt: skip
+        out.copy_(normed.reshape(batch, PROJ))
 
     def baseline(self, q, k, v, g1, beta, g2, slots, out):
         vectorized_step(
@@ -134,22 +182,28 @@ def bench_batch(batch, replays, gen):
     out = torch.empty(batch, PROJ, device="cuda", dtype=torch.bfloat16)
     out_ref = torch.empty_like(out)
 
-    # Sanity: one step of ours against the baseline from the same caches.
+    # Sanity: one step of ours against each baseline from the same caches.
     layer = layers[0]
     conv0, state0 = layer.conv_state.clone(), layer.state.clone()
     layer.prepared.run(q, k, v, g1, beta, g2, slots, out)
     got_state = layer.state.clone()
-    layer.conv_state.copy_(conv0)
-    layer.state.copy_(state0)
-    layer.baseline(q, k, v, g1, beta, g2, slots, out_ref)
-    torch.cuda.synchronize()
-    out_err = float((out.float() - out_ref.float()).norm() / out_ref.float().norm())
-    state_err = float((got_state - layer.state).norm() / layer.state.norm())
-    if not (out_err < 5e-3 and state_err < 1e-4):
-        raise SystemExit(
-            f"batch {batch}: kernel disagrees with the baseline (out {out_err:.2e}, "
-            f"state {state_err:.2e}); not timing a wrong kernel"
-        )
+    checks = {}
+    baselines = {"torch": Layer.baseline}
+    if VLLM_OPS is not None:
+        baselines["vllm"] = Layer.stock_vllm
+    for name, fn in baselines.items():
+        layer.conv_state.copy_(conv0)
+        layer.state.copy_(state0)
+        fn(layer, q, k, v, g1, beta, g2, slots, out_ref)
+        torch.cuda.synchronize()
+        out_err = float((out.float() - out_ref.float()).norm() / out_ref.float().norm())
+        state_err = float((got_state - layer.state).norm() / layer.state.norm())
+        checks[name] = (out_err, state_err)
+        if not (out_err < 5e-3 and state_err < 1e-4):
+            raise SystemExit(
+                f"batch {batch}: kernel disagrees with the {name} baseline (out "
+                f"{out_err:.2e}, state {state_err:.2e}); not timing a wrong kernel"
+            )
 
     ours = time_graph(
         lambda lay: lay.prepared.run(q, k, v, g1, beta, g2, slots, out), layers, replays
@@ -163,6 +217,19 @@ def bench_batch(batch, replays, gen):
     base = time_graph(
         lambda lay: lay.baseline(q, k, v, g1, beta, g2, slots, out_ref), layers, replays
     )
+    stock = None
+    if VLLM_OPS is not None:
+        stock = time_graph(
+            lambda lay: lay.stock_vllm(q, k, v, g1, beta, g2, slots, out_ref),
+            layers,
+            replays,
+        )
+    stock_fields = (
+        {"stock_vllm_us": stock[0], "stock_vllm_us_min": stock[1],
+         "speedup_vs_stock_vllm": stock[0] / ours[0]}
+        if stock
+        else {}
+    )  # fmt: skip
     return {
         "batch": batch,
         "layers_in_graph": n_layers,
@@ -182,8 +249,8 @@ def bench_batch(batch, replays, gen):
         "state_bw_frac": state_b / ours[0] / 1e6 / HBM_TBPS,
         "state_bw_frac_w16": state_b / ours16[0] / 1e6 / HBM_TBPS,
         "state_copy_bw_frac": state_b / copy[0] / 1e6 / HBM_TBPS,
-        "check_out_rel_err": out_err,
-        "check_state_rel_err": state_err,
+        **stock_fields,
+        "check_rel_err": {k: {"out": o, "state": st} for k, (o, st) in checks.items()},
     }
 
 
@@ -205,14 +272,19 @@ def write_markdown(summary: dict, rows: list[dict], path: Path) -> None:
         "'state copy' is a device copy of the same state bytes (read + write), the "
         "bandwidth ceiling for this size.",
         "",
-        "| batch | ours us | 16-warp us | state copy us | baseline us | speedup | "
-        "state TB/s | state % of 4.25 | total TB/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| batch | ours us | 16-warp us | state copy us | stock vLLM us | speedup | "
+        "torch ops us | speedup | state TB/s | state % of 4.25 | total TB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        stock = (
+            f"{r['stock_vllm_us']:.2f} | {r['speedup_vs_stock_vllm']:.2f}"
+            if "stock_vllm_us" in r
+            else "- | -"
+        )
         lines.append(
             f"| {r['batch']} | {r['ours_us']:.2f} | {r['ours_w16_us']:.2f} | "
-            f"{r['state_copy_us']:.2f} | {r['baseline_us']:.2f} | "
+            f"{r['state_copy_us']:.2f} | {stock} | {r['baseline_us']:.2f} | "
             f"{r['speedup']:.2f} | {r['state_bw_tbps']:.2f} | "
             f"{100 * r['state_bw_frac']:.0f}% | {r['total_bw_tbps']:.2f} |"
         )
@@ -248,30 +320,51 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("error: needs an SM90 GPU", file=sys.stderr)
         return 2
+    global VLLM_OPS, NO_VLLM_REASON
+    VLLM_OPS, NO_VLLM_REASON = _vllm_kda_ops()
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         row = bench_batch(batch, args.replays, gen)
         rows.append(row)
+        # Rows so far, in case the run is cut short (the summary comes at the end).
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "kda_rows.partial.json").write_text(json.dumps(rows, indent=2))
         print(
             f"B={batch:3d} L={row['layers_in_graph']:3d} ours {row['ours_us']:7.2f} us  "
             f"w16 {row['ours_w16_us']:7.2f} us  copy {row['state_copy_us']:7.2f} us  "
-            f"baseline {row['baseline_us']:8.2f} us  x{row['speedup']:5.2f}  "
-            f"state {row['state_bw_tbps']:.2f} TB/s ({100 * row['state_bw_frac']:.0f}%)  "
+            f"torch ops {row['baseline_us']:8.2f} us  x{row['speedup']:5.2f}  "
+            + (
+                f"stock {row['stock_vllm_us']:7.2f} us  x{row['speedup_vs_stock_vllm']:5.2f}  "
+                if "stock_vllm_us" in row
+                else ""
+            )
+            + f"state {row['state_bw_tbps']:.2f} TB/s ({100 * row['state_bw_frac']:.0f}%)  "
             f"total {row['total_bw_tbps']:.2f} TB/s",
             flush=True,
         )
         torch.cuda.empty_cache()
     b1 = next((r for r in rows if r["batch"] == 1), None)
     big = [r["state_bw_frac"] for r in rows if r["batch"] >= 16]
-    baseline = (
+    torch_ops = (
         "batched torch ops of the stock sequence (tests/kernels/kda_reference."
         "vectorized_step: 3 conv updates, gate, recurrence, gated RMSNorm; "
-        "gather/scatter of the slots' states) in a CUDA graph; vLLM 0.26.0's Triton "
-        "kernels were not importable on the GPU host"
+        "gather/scatter of the slots' states) in a CUDA graph"
     )
+    if VLLM_OPS is not None:
+        baseline = (
+            "vLLM 0.26.0's own decode kernels in its KDA layer's order "
+            "(3x causal_conv1d_update, fused_kda_gate, beta sigmoid, "
+            "fused_recurrent_kda, rms_norm_gated) in a CUDA graph, same process; "
+            f"also {torch_ops}"
+        )
+        speedup_b1 = b1["speedup_vs_stock_vllm"] if b1 else None
+    else:
+        baseline = f"{torch_ops}; {NO_VLLM_REASON}"
+        speedup_b1 = b1["speedup"] if b1 else None
     summary = {
-        "speedup_b1": b1["speedup"] if b1 else None,
+        "speedup_b1": speedup_b1,
+        "speedup_b1_vs_torch_ops": b1["speedup"] if b1 else None,
         "state_bw_frac_b16plus": min(big) if big else None,
         "speedup_b1_vs_stock_profile": STOCK_PROFILE_US_B1 / b1["ours_us"] if b1 else None,
         "w16_speedup_b1": b1["baseline_us"] / b1["ours_w16_us"] if b1 else None,
@@ -291,6 +384,7 @@ def main() -> int:
         json.dumps({"summary": summary, "rows": rows}, indent=2) + "\n"
     )
     write_markdown(summary, rows, args.out_dir / "kda.md")
+    (args.out_dir / "kda_rows.partial.json").unlink()
     print(json.dumps(summary, indent=2))
     return 0
 
