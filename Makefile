@@ -16,7 +16,7 @@ HD := $(PY) scripts/hd.py
 
 .PHONY: help venv-dev fetch import apply export lint drift ruff check build-wheel \
 	verify-wheel index venv test test-tooling test-real-pin test-runtime test-upstream \
-	test-gpu pre-commit _need-vllm rebase bump-pin upstream-pr clean distclean
+	test-gpu bench pre-commit _need-vllm rebase bump-pin upstream-pr clean distclean
 
 help:
 	@sed -n '2,9p' Makefile
@@ -87,6 +87,11 @@ test-gpu: venv
 	$(WHEEL_VENV)/bin/python -m pytest tests/kernels -q -rs
 
 test: test-tooling test-real-pin test-runtime test-upstream test-gpu
+
+# Decode step time inside vLLM, stock vs latency-specialized (needs the H200): writes
+# docs/perf/decode.{json,md,png} with the patch-set fingerprint that `make upstream-pr` checks.
+bench: venv
+	$(WHEEL_VENV)/bin/python scripts/bench_decode.py --out-dir docs/perf $(BENCH_ARGS)
 
 # Move to another upstream release in two explicit steps (VLLM=<version>, e.g. 0.33.0):
 #   make rebase VLLM=X     fetch + verify X, git am -3 the series onto it (build/upstream branch

@@ -1,0 +1,431 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Decode step time inside vLLM on one H200: stock vs the latency-specialized decode.
+
+Method (as vLLM PR #61867 reports it): decode step time = median inter-token
+latency, prefill excluded, with exactly N requests in flight: N requests of
+4-token prompts start together, generate OUTPUT_TOKENS tokens each (greedy,
+ignore_eos), streamed through AsyncLLM; every streamed chunk of k tokens that
+arrived dt after the previous one contributes k samples of dt / k.  Median over
+all samples of a run, median of RUNS runs.  Each backend runs in its own
+process (one engine per process): `decode_backend` "auto" (stock) and
+"latency_specialized", same model directory, dummy weights, same seed.
+
+Also measured:
+  * prefill throughput per backend (PREFILL_REQUESTS prompts of PREFILL_TOKENS
+    tokens, one output token each): prompt tokens per second, ratio
+    specialized / stock;
+  * distinct routed experts per decode step at each N, from an eager stock
+    engine with forward hooks on every MoE router (same weights and prompts);
+  * the weight-read floor at each N: bytes a step must read (every non-routed
+    weight, the distinct experts of every MoE layer, lm_head) plus each
+    request's KDA/conv state read + write and MLA latent cache read, / 4.25 TB/s.
+
+Writes <out-dir>/decode.json ("summary": step_ms {N: {stock, specialized}},
+speedup {N}, floor_ms {N}, distinct_experts {N}, prefill_throughput_ratio;
+"fingerprint" and "vllm" of the installed patched wheel; gpu, date, command),
+decode.md and decode.png (step time vs N for both paths, with the floor).
+
+    python3 scripts/bench_decode.py --out-dir docs/perf        # on the H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL_DIR = ROOT / "tests" / "runtime" / "kimi_linear_48b"
+HBM_BYTES_PER_S = 4.25e12
+N_VALUES = (1, 2, 4, 8, 16, 32, 64)
+PROMPT_TOKENS = 4
+OUTPUT_TOKENS = 1024
+RUNS = 3
+PREFILL_REQUESTS = 16
+PREFILL_TOKENS = 1024
+EXPERT_COUNT_STEPS = 64
+BACKENDS = ("auto", "latency_specialized")
+BF16 = 2
+FP32 = 4
+
+
+# ---------------------------------------------------------------- pure parts
+def itl_samples(chunks: list[tuple[float, int]]) -> list[float]:
+    """Inter-token latencies of one request from its streamed chunks
+    ``(arrival time s, new tokens)``: a chunk of k tokens that arrived dt after
+    the previous tokens gives k samples of dt / k.  The first chunk (prefill) only
+    starts the clock; chunks without tokens are ignored."""
+    arrivals = [(t, count) for t, count in chunks if count > 0]
+    samples = []
+    for (t_prev, _), (t, count) in zip(arrivals, arrivals[1:]):
+        samples += [(t - t_prev) / count] * count
+    return samples
+
+
+def weight_bytes(config: dict, distinct_experts: float) -> dict[str, float]:
+    """Bytes of weights one decode step reads, by part, for ``distinct_experts``
+    routed experts per MoE layer (embedding rows are negligible and left out)."""
+    h = config["hidden_size"]
+    lin = config["linear_attn_config"]
+    heads, head_dim = lin["num_heads"], lin["head_dim"]
+    proj = heads * head_dim
+    conv = lin["short_conv_kernel_size"]
+    layers = config["num_hidden_layers"]
+    mla_layers = [i for i in lin["full_attn_layers"] if i <= layers]
+    kda_layers = [i for i in lin["kda_layers"] if i <= layers]
+    # q, k, v, b, f_a, g_a from h; f_b, g_b back to proj; o_proj; conv; norms.
+    low_rank = head_dim
+    kda = (
+        (3 * proj + heads + 2 * low_rank) * h
+        + 2 * proj * low_rank
+        + proj * h
+        + 3 * proj * conv
+        + h
+        + head_dim
+    ) * BF16 + (heads + proj) * FP32
+    n_heads = config["num_attention_heads"]
+    nope, rope = config["qk_nope_head_dim"], config["qk_rope_head_dim"]
+    v_dim, rank = config["v_head_dim"], config["kv_lora_rank"]
+    mla = (
+        n_heads * (nope + rope) * h
+        + (rank + rope) * h
+        + n_heads * (nope + v_dim) * rank
+        + h * n_heads * v_dim
+        + rank
+        + h
+    ) * BF16
+    dense_layers = min(config["first_k_dense_replace"], layers)
+    dense = 3 * config["intermediate_size"] * h * BF16
+    expert = 3 * config["moe_intermediate_size"] * h * BF16
+    shared = config["num_shared_experts"] * expert
+    router = config["num_experts"] * h * BF16
+    moe_layers = layers - dense_layers
+    return {
+        "kda": len(kda_layers) * kda,
+        "mla": len(mla_layers) * mla,
+        "dense_mlp": dense_layers * dense,
+        "moe_fixed": moe_layers * (shared + router + h * BF16),
+        "moe_routed": moe_layers * distinct_experts * expert,
+        "lm_head": config["vocab_size"] * h * BF16 + h * BF16,
+    }
+
+
+def per_request_bytes(config: dict, context_tokens: float) -> float:
+    """State bytes one request adds to a decode step: KDA recurrent state and
+    conv state read + written, MLA latent cache rows read."""
+    lin = config["linear_attn_config"]
+    layers = config["num_hidden_layers"]
+    heads, head_dim = lin["num_heads"], lin["head_dim"]
+    kda_layers = len([i for i in lin["kda_layers"] if i <= layers])
+    mla_layers = len([i for i in lin["full_attn_layers"] if i <= layers])
+    recurrent = heads * head_dim * head_dim * FP32
+    conv = (lin["short_conv_kernel_size"] - 1) * 3 * heads * head_dim * BF16
+    latent = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * BF16
+    return kda_layers * 2 * (recurrent + conv) + mla_layers * context_tokens * latent
+
+
+def floor_ms(config: dict, n: int, distinct_experts: float) -> float:
+    # Mean context over a request's decode: the prompt plus half the output.
+    context = PROMPT_TOKENS + OUTPUT_TOKENS / 2
+    total = sum(weight_bytes(config, distinct_experts).values())
+    total += n * per_request_bytes(config, context)
+    return total / HBM_BYTES_PER_S * 1e3
+
+
+def summarize(config: dict, results: dict, experts: dict[int, float]) -> dict:
+    """The decode.json summary from per-backend results and expert counts."""
+    stock, special = results["auto"], results["latency_specialized"]
+    ns = sorted(int(n) for n in stock["step_ms"])
+    step = {
+        str(n): {
+            "stock": stock["step_ms"][str(n)],
+            "specialized": special["step_ms"][str(n)],
+        }
+        for n in ns
+    }
+    return {
+        "step_ms": step,
+        "speedup": {k: v["stock"] / v["specialized"] for k, v in step.items()},
+        "floor_ms": {str(n): floor_ms(config, n, experts[n]) for n in ns},
+        "distinct_experts": {str(n): experts[n] for n in ns},
+        "prefill_throughput_ratio": special["prefill_tokens_per_s"] / stock["prefill_tokens_per_s"],
+    }
+
+
+def write_markdown(data: dict, path: Path) -> None:
+    s = data["summary"]
+    lines = [
+        "# Decode step time inside vLLM: stock vs latency-specialized (H200)",
+        "",
+        f"{data['gpu']}, {data['date']}, vLLM `{data['vllm']}`, `{data['command']}`.",
+        "",
+        f"Method: {data['method']}",
+        "",
+        "| N | stock ms | specialized ms | speedup | floor ms | specialized / floor | "
+        "distinct experts |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n, step in s["step_ms"].items():
+        floor = s["floor_ms"][n]
+        lines.append(
+            f"| {n} | {step['stock']:.3f} | {step['specialized']:.3f} | "
+            f"{s['speedup'][n]:.2f}x | {floor:.3f} | "
+            f"{step['specialized'] / floor:.2f} | {s['distinct_experts'][n]:.1f} |"
+        )
+    lines += [
+        "",
+        f"Prefill throughput, specialized / stock: {s['prefill_throughput_ratio']:.3f}.",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def write_plot(data: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    s = data["summary"]
+    ns = [int(n) for n in s["step_ms"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("stock", "stock vLLM 0.26.0"), ("specialized", "specialized")):
+        ax.plot(ns, [s["step_ms"][str(n)][key] for n in ns], marker="o", label=label)
+    ax.plot(ns, [s["floor_ms"][str(n)] for n in ns], "k--", label="weight-read floor")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests in flight (N)")
+    ax.set_ylabel("decode step (ms)")
+    ax.set_title(f"Kimi-Linear-48B-A3B decode, {data['gpu']}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+# ------------------------------------------------------------------ workers
+def _engine_args(model_dir: Path, backend: str, max_num_seqs: int, **extra):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=PROMPT_TOKENS + OUTPUT_TOKENS + PREFILL_TOKENS,
+        gpu_memory_utilization=0.9,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=False,
+        seed=0,
+        additional_config={"decode_backend": backend},
+        **extra,
+    )
+
+
+def _prompt(i: int, length: int) -> dict:
+    return {"prompt_token_ids": [1000 + 7 * i + j for j in range(length)]}
+
+
+def run_backend(model_dir: Path, backend: str, ns: list[int], runs: int) -> dict:
+    """One engine with ``backend``: step times per N and prefill throughput."""
+    import asyncio
+    import time
+
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(_engine_args(model_dir, backend, max(ns)))
+
+    async def request(rid: str, prompt: dict, max_tokens: int) -> list:
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )  # fmt: skip
+        chunks = []
+        async for out in engine.generate(prompt, params, rid):
+            chunks.append((time.perf_counter(), len(out.outputs[0].token_ids)))
+        return chunks
+
+    async def batch(tag: str, n: int, prompt_len: int, max_tokens: int) -> list:
+        return await asyncio.gather(
+            *(request(f"{tag}-{i}", _prompt(i, prompt_len), max_tokens) for i in range(n))
+        )
+
+    async def main() -> dict:
+        result = {"step_ms": {}, "step_ms_runs": {}}
+        for n in ns:
+            await batch(f"warm{n}", n, PROMPT_TOKENS, 16)
+            medians = []
+            for r in range(runs):
+                chunks = await batch(f"n{n}r{r}", n, PROMPT_TOKENS, OUTPUT_TOKENS)
+                if any(sum(c for _, c in ch) != OUTPUT_TOKENS for ch in chunks):
+                    raise RuntimeError(f"N={n}: a request did not get {OUTPUT_TOKENS} tokens")
+                samples = [s for ch in chunks for s in itl_samples(ch)]
+                medians.append(statistics.median(samples) * 1e3)
+            result["step_ms"][str(n)] = statistics.median(medians)
+            result["step_ms_runs"][str(n)] = medians
+            print(f"{backend} N={n}: {medians} ms", flush=True)
+        await batch("pwarm", 2, PREFILL_TOKENS, 1)
+        start = time.perf_counter()
+        await batch("prefill", PREFILL_REQUESTS, PREFILL_TOKENS, 1)
+        seconds = time.perf_counter() - start
+        result["prefill_tokens_per_s"] = PREFILL_REQUESTS * PREFILL_TOKENS / seconds
+        return result
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def count_experts(model_dir: Path, ns: list[int]) -> dict[int, float]:
+    """Distinct routed experts per decode step and MoE layer (mean), from an
+    eager stock engine whose MoE routers are hooked (graph replays skip hooks)."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM, SamplingParams
+
+    args = _engine_args(model_dir, "auto", max(ns), enforce_eager=True)
+    args.compilation_config = {"mode": 0}
+    llm = LLM(**{k: getattr(args, k) for k in (
+        "model", "load_format", "skip_tokenizer_init", "max_model_len",
+        "gpu_memory_utilization", "max_num_seqs", "enable_prefix_caching", "seed",
+        "enforce_eager", "compilation_config",
+    )})  # fmt: skip
+
+    def install(worker):
+        import torch
+
+        model = worker.model_runner.get_model()
+        top_k = model.config.num_experts_per_token
+        worker._hd_counts = []
+        for module in model.modules():
+            if type(module).__name__ != "KimiMoE":
+                continue
+            bias = module.gate.e_score_correction_bias
+
+            def hook(_mod, _inp, output, bias=bias):
+                logits = output[0] if isinstance(output, tuple) else output
+                scores = torch.sigmoid(logits.float()) + bias.float()
+                ids = scores.topk(top_k, dim=-1).indices
+                worker._hd_counts.append((logits.shape[0], ids.unique().numel()))
+
+            module.gate.register_forward_hook(hook)
+
+    def take(worker):
+        counts, worker._hd_counts = worker._hd_counts, []
+        return counts
+
+    llm.collective_rpc(install)
+    params = SamplingParams(
+        max_tokens=EXPERT_COUNT_STEPS, ignore_eos=True, temperature=0.0, detokenize=False
+    )
+    result = {}
+    for n in ns:
+        llm.collective_rpc(take)
+        llm.generate([_prompt(i, PROMPT_TOKENS) for i in range(n)], params, use_tqdm=False)
+        counts = llm.collective_rpc(take)[0]
+        decode = [d for tokens, d in counts if tokens == n]
+        result[n] = statistics.mean(decode)
+        print(f"experts N={n}: {result[n]:.1f} distinct per layer-step", flush=True)
+    return result
+
+
+# --------------------------------------------------------------------- main
+def _worker(args) -> int:
+    ns = [int(n) for n in args.n.split(",")]
+    if args.worker == "experts":
+        out = {str(k): v for k, v in count_experts(args.model_dir, ns).items()}
+    else:
+        out = run_backend(args.model_dir, args.worker, ns, args.runs)
+    Path(args.result).write_text(json.dumps(out))
+    return 0
+
+
+def _spawn(args, role: str, result: Path) -> dict:
+    cmd = [
+        sys.executable, __file__, "--worker", role, "--result", str(result),
+        "--model-dir", str(args.model_dir), "--n", args.n, "--runs", str(args.runs),
+    ]  # fmt: skip
+    done = subprocess.run(cmd)
+    if done.returncode != 0:
+        raise SystemExit(
+            f"error: the {role} run failed (exit {done.returncode}); see its output above. "
+            "Nothing was written."
+        )
+    return json.loads(result.read_text())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "perf")
+    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--n", default=",".join(map(str, N_VALUES)))
+    ap.add_argument("--runs", type=int, default=RUNS)
+    ap.add_argument("--worker", choices=(*BACKENDS, "experts"), help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--render-only", action="store_true")
+    args = ap.parse_args()
+    if args.worker:
+        return _worker(args)
+    if args.render_only:
+        data = json.loads((args.out_dir / "decode.json").read_text())
+        write_markdown(data, args.out_dir / "decode.md")
+        write_plot(data, args.out_dir / "decode.png")
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("error: needs an SM90 GPU (H200)", file=sys.stderr)
+        return 2
+    try:
+        import vllm
+        from vllm import _hopper_decode_build as build
+    except ImportError as exc:
+        print(f"error: needs the patched vLLM wheel (make build-wheel): {exc}", file=sys.stderr)
+        return 2
+    config = json.loads((args.model_dir / "config.json").read_text())
+    scratch = args.out_dir / ".bench_decode"
+    scratch.mkdir(parents=True, exist_ok=True)
+    results = {b: _spawn(args, b, scratch / f"{b}.json") for b in BACKENDS}
+    experts = {int(k): v for k, v in _spawn(args, "experts", scratch / "experts.json").items()}
+    data = {
+        "summary": summarize(config, results, experts),
+        "runs": results,
+        "method": (
+            f"median inter-token latency (prefill excluded) of N requests in flight, "
+            f"{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, ignore_eos, "
+            f"greedy, median of {args.runs} runs; AsyncLLM streaming, one engine per "
+            "process, dummy weights, seed 0; floor = weights a step reads (distinct "
+            "experts measured on an eager stock engine) + per-request KDA/conv state "
+            "read+write + MLA latent cache read, / 4.25 TB/s"
+        ),
+        "model_dir": str(args.model_dir),
+        "fingerprint": build.FINGERPRINT,
+        "vllm": vllm.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python3 " + " ".join(sys.argv),
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "decode.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_markdown(data, args.out_dir / "decode.md")
+    if not write_plot(data, args.out_dir / "decode.png"):
+        print("note: matplotlib not installed, decode.png not written", file=sys.stderr)
+    for f in scratch.iterdir():
+        f.unlink()
+    scratch.rmdir()
+    print(json.dumps(data["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The decode benchmark's host-side arithmetic and report (scripts/bench_decode.py).
+
+The measurement itself needs the H200 and the patched wheel; what is checked here is
+everything that turns measurements into the report: inter-token latency samples, the
+weight-read floor (it must reproduce the stock baseline's 6.21 GB per batch-1 step), the
+summary's shape (what `make upstream-pr` reads) and the markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import bench_decode as bench
+import pytest
+
+CONFIG = json.loads(
+    (Path(__file__).parents[1] / "runtime" / "kimi_linear_48b" / "config.json").read_text()
+)
+
+
+def test_itl_samples_split_chunks_and_drop_the_prefill_chunk():
+    chunks = [(10.0, 1), (10.010, 1), (10.030, 2), (10.031, 0), (10.041, 1)]
+    assert bench.itl_samples(chunks) == pytest.approx([0.010, 0.010, 0.010, 0.011])
+    assert bench.itl_samples(chunks[:1]) == []
+
+
+def test_weight_bytes_reproduce_the_stock_baseline():
+    # ../shared/baselines: 20 KDA x 78.9 MB, 7 MLA x 58.2, 26 MoE x 128.6 (8 + 1 experts),
+    # dense layer 0 127.4, lm_head 755 -> 6.21 GB per batch-1 step.
+    parts = bench.weight_bytes(CONFIG, distinct_experts=8)
+    assert parts["kda"] / 20 / 1e6 == pytest.approx(78.9, abs=0.2)
+    assert parts["mla"] / 7 / 1e6 == pytest.approx(58.2, abs=0.1)
+    assert (parts["moe_fixed"] + parts["moe_routed"]) / 26 / 1e6 == pytest.approx(128.6, abs=0.1)
+    assert parts["dense_mlp"] / 1e6 == pytest.approx(127.4, abs=0.1)
+    assert parts["lm_head"] / 1e6 == pytest.approx(755.0, abs=0.1)
+    assert sum(parts.values()) / 1e9 == pytest.approx(6.21, abs=0.01)
+
+
+def test_floor_grows_with_requests_and_experts():
+    one = bench.floor_ms(CONFIG, 1, 8)
+    assert one == pytest.approx(1.46, abs=0.03)  # 6.21 GB / 4.25 TB/s + one request's state
+    assert bench.floor_ms(CONFIG, 8, 8) > one
+    assert bench.floor_ms(CONFIG, 8, 40) > bench.floor_ms(CONFIG, 8, 8)
+    # A request adds its KDA state read + written in 20 layers (2 x 2.1 MB each) and more.
+    per_request = bench.per_request_bytes(CONFIG, context_tokens=516)
+    assert 84e6 < per_request < 100e6
+
+
+def test_a_few_layer_config_counts_only_its_layers():
+    small = dict(CONFIG, num_hidden_layers=4)
+    parts = bench.weight_bytes(small, distinct_experts=8)
+    assert parts["kda"] == pytest.approx(3 * bench.weight_bytes(CONFIG, 8)["kda"] / 20)
+    assert parts["mla"] == pytest.approx(bench.weight_bytes(CONFIG, 8)["mla"] / 7)
+
+
+def _results():
+    def backend(steps, prefill):
+        return {"step_ms": {str(n): s for n, s in steps.items()}, "prefill_tokens_per_s": prefill}
+
+    return {
+        "auto": backend({1: 3.6, 8: 7.6}, 50_000.0),
+        "latency_specialized": backend({1: 1.8, 8: 4.0}, 49_500.0),
+    }
+
+
+def test_summary_has_what_the_upstream_pr_export_reads():
+    summary = bench.summarize(CONFIG, _results(), {1: 8.0, 8: 42.5})
+    assert summary["step_ms"] == {
+        "1": {"stock": 3.6, "specialized": 1.8},
+        "8": {"stock": 7.6, "specialized": 4.0},
+    }
+    assert summary["speedup"] == pytest.approx({"1": 2.0, "8": 1.9})
+    assert set(summary["floor_ms"]) == {"1", "8"}
+    assert summary["floor_ms"]["8"] == pytest.approx(bench.floor_ms(CONFIG, 8, 42.5))
+    assert summary["distinct_experts"] == {"1": 8.0, "8": 42.5}
+    assert summary["prefill_throughput_ratio"] == pytest.approx(0.99)
+
+
+def test_markdown_has_one_row_per_n(tmp_path):
+    data = {
+        "summary": bench.summarize(CONFIG, _results(), {1: 8.0, 8: 42.5}),
+        "gpu": "NVIDIA H200",
+        "date": "2026-12-01T00:00:00+00:00",
+        "vllm": "0.26.0+hd.1",
+        "command": "python3 scripts/bench_decode.py",
+        "method": "median ITL",
+    }
+    out = tmp_path / "decode.md"
+    bench.write_markdown(data, out)
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "8"]
+    assert "| 1 | 3.600 | 1.800 | 2.00x |" in rows[1]
