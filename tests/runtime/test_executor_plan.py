@@ -1,0 +1,543 @@
+"""CPU tests of the specialized decode executor's binding and step plan.
+
+The executor is built from a stand-in module tree with the attribute names and weight
+layouts of vLLM 0.26.0's KimiLinearForCausalLM (model.layers[i].self_attn / mlp / norms,
+KimiGatedDeltaNetAttention, KimiMLAAttention -> mla_attn.mla_attn = MLAAttention, KimiMoE
+-> experts.routed_experts), at toy sizes, with a kernel factory of fakes that record every
+launch and check the shapes the real kernels would. What they cannot check (the kernels'
+numerics, vLLM's real modules, graph capture) is the GPU session's job: docs/design/
+executor.md lists it.
+
+Run with the wheel venv; until the wheel carries runtime/decode.py the module is loaded from
+vllm_overlay/ under its package name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+DECODE_MODULE = "vllm.models.kimi_linear.sm90.specialized_decode.runtime.decode"
+OVERLAY_FILE = (
+    Path(__file__).resolve().parents[2]
+    / "vllm_overlay/vllm/models/kimi_linear/sm90/specialized_decode/runtime/decode.py"
+)
+
+
+def load_decode_module() -> Any:
+    try:
+        return importlib.import_module(DECODE_MODULE)
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location(DECODE_MODULE, OVERLAY_FILE)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[DECODE_MODULE] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+decode = load_decode_module()
+
+from vllm.config import CUDAGraphMode  # noqa: E402
+from vllm.forward_context import BatchDescriptor  # noqa: E402
+from vllm.models.kimi_linear.sm90.specialized_decode.runtime import (  # noqa: E402
+    SpecializedDecodeConfig,
+)
+
+# Toy sizes; the per-head structure is the 48B model's (KDA H*D == MLA N*V).
+HIDDEN, HEADS, HEAD_DIM = 64, 2, 16
+PROJ = HEADS * HEAD_DIM
+NOPE, ROPE, LORA, V_HEAD = 16, 8, 32, 16
+INTER, MOE_INTER, EXPERTS, TOP_K = 48, 16, 8, 2
+VOCAB, EPS = 100, 1e-6
+# 0-based: layer 3 is MLA (the 48B model's layer 4), layer 0 dense, others MoE.
+KINDS = ("kda", "kda", "kda", "mla")
+
+
+def linear(out_features: int, in_features: int) -> nn.Module:
+    module = nn.Module()
+    module.weight = nn.Parameter(torch.randn(out_features, in_features), False)
+    return module
+
+
+def rms_norm(width: int) -> nn.Module:
+    module = nn.Module()
+    module.weight = nn.Parameter(torch.rand(width) + 0.5, False)
+    module.variance_epsilon = EPS
+    return module
+
+
+def kda_attention(prefix: str) -> nn.Module:
+    attn = nn.Module()
+    attn.prefix, attn.head_dim, attn.local_num_heads = prefix, HEAD_DIM, HEADS
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attn, name, linear(PROJ, HIDDEN))
+    attn.b_proj = linear(HEADS, HIDDEN)
+    attn.f_a_proj, attn.g_a_proj = linear(HEAD_DIM, HIDDEN), linear(HEAD_DIM, HIDDEN)
+    attn.f_b_proj, attn.g_b_proj = linear(PROJ, HEAD_DIM), linear(PROJ, HEAD_DIM)
+    for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+        conv = nn.Module()
+        conv.weight = nn.Parameter(torch.randn(PROJ, 1, 4), False)
+        setattr(attn, name, conv)
+    attn.A_log = nn.Parameter(torch.randn(1, 1, HEADS, 1), False)
+    attn.dt_bias = nn.Parameter(torch.randn(PROJ), False)
+    attn.o_norm = nn.Module()
+    attn.o_norm.weight = nn.Parameter(torch.rand(HEAD_DIM), False)
+    attn.o_norm.eps = 1e-5
+    attn.o_proj = linear(HIDDEN, PROJ)
+    attn.kv_cache = []  # vLLM's value before a cache is bound / after cleanup
+    return attn
+
+
+class FakeMlaImpl:
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def do_kv_cache_update(self, kv_c, k_pe, kv_cache, slot_mapping, dtype, scale):
+        assert kv_c.shape[1] == LORA and k_pe.shape[1:] == (1, ROPE)
+        self.calls.append(("cache_update", kv_c.shape[0], slot_mapping))
+
+    def forward_mqa(self, q, kv_cache, metadata, layer):
+        ql_nope, q_pe = q
+        batch = ql_nope.shape[0]
+        assert ql_nope.shape == (batch, HEADS, LORA) and q_pe.shape == (batch, HEADS, ROPE)
+        self.calls.append(("forward_mqa", batch, metadata))
+        return torch.ones(batch, HEADS, LORA), None
+
+
+def mla_attention(prefix: str) -> nn.Module:
+    self_attn = nn.Module()
+    self_attn.num_local_heads, self_attn.kv_lora_rank = HEADS, LORA
+    self_attn.qk_nope_head_dim, self_attn.qk_rope_head_dim = NOPE, ROPE
+    self_attn.v_head_dim = V_HEAD
+    self_attn.q_proj = linear(HEADS * (NOPE + ROPE), HIDDEN)
+    self_attn.kv_a_proj_with_mqa = linear(LORA + ROPE, HIDDEN)
+    self_attn.kv_a_layernorm = rms_norm(LORA)
+    self_attn.o_proj = linear(HIDDEN, HEADS * V_HEAD)
+    mla = nn.Module()
+    mla.layer_name = f"{prefix}.attn"
+    mla.W_UK_T = torch.randn(HEADS, NOPE, LORA)
+    mla.W_UV = torch.randn(HEADS, LORA, V_HEAD)
+    mla.impl = FakeMlaImpl()
+    mla.kv_cache = torch.tensor([])
+    mla.kv_cache_dtype = "auto"
+    mla._k_scale = torch.tensor(1.0)
+    self_attn.mla_attn = nn.Module()
+    self_attn.mla_attn.mla_attn = mla
+    return self_attn
+
+
+def moe_block(backend: str = "TRITON") -> nn.Module:
+    moe = nn.Module()
+    moe.gate = linear(EXPERTS, HIDDEN)
+    moe.gate.e_score_correction_bias = nn.Parameter(torch.randn(EXPERTS), False)
+    moe.routed_scaling_factor = 2.5
+    moe.shared_experts = nn.Module()
+    moe.shared_experts.gate_up_proj = linear(2 * MOE_INTER, HIDDEN)
+    moe.shared_experts.down_proj = linear(HIDDEN, MOE_INTER)
+    routed = nn.Module()
+    routed.w13_weight = nn.Parameter(torch.randn(EXPERTS, 2 * MOE_INTER, HIDDEN), False)
+    routed.w2_weight = nn.Parameter(torch.randn(EXPERTS, HIDDEN, MOE_INTER), False)
+    routed.quant_method = SimpleNamespace(unquantized_backend=SimpleNamespace(name=backend))
+    moe.experts = nn.Module()
+    moe.experts.routed_experts = routed
+    return moe
+
+
+def dense_mlp() -> nn.Module:
+    mlp = nn.Module()
+    mlp.gate_up_proj = linear(2 * INTER, HIDDEN)
+    mlp.down_proj = linear(HIDDEN, INTER)
+    return mlp
+
+
+def stand_in_model(moe_backend: str = "TRITON") -> nn.Module:
+    torch.manual_seed(0)
+    inner = nn.Module()
+    inner.config = SimpleNamespace(num_experts_per_token=TOP_K, moe_renormalize=True)
+    inner.embed_tokens = linear(VOCAB, HIDDEN)
+    layers = []
+    for i, kind in enumerate(KINDS):
+        layer = nn.Module()
+        prefix = f"model.layers.{i}.self_attn"
+        layer.self_attn = kda_attention(prefix) if kind == "kda" else mla_attention(prefix)
+        layer.mlp = dense_mlp() if i == 0 else moe_block(moe_backend)
+        layer.input_layernorm = rms_norm(HIDDEN)
+        layer.post_attention_layernorm = rms_norm(HIDDEN)
+        layers.append(layer)
+    inner.layers = nn.ModuleList(layers)
+    inner.norm = rms_norm(HIDDEN)
+    model = nn.Module()
+    model.model = inner
+    return model
+
+
+class Recorder:
+    """A fake kernel: records its launches, checks what the real one checks first."""
+
+    def __init__(self, log: list, kind: str, **bound: Any):
+        self.log, self.kind, self.bound = log, kind, bound
+        self.extra_bytes = 0
+        self.workspace_bytes = 0
+
+    def run(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> None:
+        self.log.append((self.kind, self.bound.get("label"), args, kwargs))
+
+
+class FakeGemm(Recorder):
+    def run(self, x, out, residual=None, residual_out=None):
+        weight = self.bound["weight"]
+        assert x.shape == (x.shape[0], weight.shape[1]) and x.is_contiguous()
+        assert 1 <= x.shape[0] <= decode.MAX_PREPARED_TOKENS
+        expected = weight.shape[0] // (2 if self.bound["epilogue"] == "silu_mul" else 1)
+        assert out.shape == (x.shape[0], expected) and out.is_contiguous()
+        if self.bound["epilogue"] == "residual_rmsnorm":
+            assert residual.shape == out.shape == residual_out.shape
+            assert residual.data_ptr() != residual_out.data_ptr()
+        else:
+            assert residual is None and residual_out is None
+        super().run(x, out, residual=residual, residual_out=residual_out)
+
+
+class FakeKda(Recorder):
+    def run(self, q, k, v, g1, beta, g2, slots, out):
+        batch = q.shape[0]
+        for t in (q, k, v, g1, g2, out):
+            assert t.shape == (batch, PROJ) and t.stride(1) == 1
+        assert beta.shape == (batch, HEADS) and slots.shape[0] >= batch
+        super().run(q, k, v, g1, beta, g2, slots, out)
+
+
+class FakeMoe(Recorder):
+    def run(self, x, out, residual=None, residual_out=None):
+        assert x.shape == out.shape == residual.shape == residual_out.shape
+        assert x.data_ptr() != out.data_ptr()
+        super().run(x, out, residual=residual, residual_out=residual_out)
+
+
+class FakeKernels(decode.KernelFactory):
+    def __init__(self) -> None:
+        self.log: list = []
+        self.built: list = []
+
+    def gemm(self, weight, epilogue="plain", rmsnorm_weight=None, eps=1e-5):
+        kernel = FakeGemm(
+            self.log, "gemm", weight=weight, epilogue=epilogue, norm=rmsnorm_weight, eps=eps
+        )
+        self.built.append(kernel)
+        return kernel
+
+    def kda(self, conv_weights, a_log, dt_bias, norm_weight, conv_state, recurrent_state,
+            num_heads, norm_eps, conv_layout):  # fmt: skip
+        kernel = FakeKda(
+            self.log, "kda", conv_state=conv_state, recurrent_state=recurrent_state,
+            conv_weights=conv_weights, a_log=a_log, layout=conv_layout,
+        )  # fmt: skip
+        self.built.append(kernel)
+        return kernel
+
+    def moe(self, **kwargs):
+        kernel = FakeMoe(self.log, "moe", **kwargs)
+        self.built.append(kernel)
+        return kernel
+
+    def rms_norm(self, out, x, weight, eps):
+        assert out.shape == x.shape and weight.shape == (x.shape[1],)
+        self.log.append(("rms_norm", None, (out, x, weight), {}))
+
+    def embedding(self, out, weight, ids):
+        self.log.append(("embedding", None, (out, weight, ids), {}))
+
+    def conv_layout(self):
+        return decode.CONV_LAYOUT_SD
+
+
+def spec_config(batch_sizes=(1, 2, 4, 8, 16, 32, 64)) -> SpecializedDecodeConfig:
+    return SpecializedDecodeConfig(
+        batch_sizes=tuple(batch_sizes),
+        max_model_len=4096,
+        max_num_seqs=256,
+        dtype=torch.bfloat16,
+        recurrent_state_dtype=torch.float32,
+    )
+
+
+def build(model=None, **kwargs):
+    kernels = FakeKernels()
+    model = model or stand_in_model()
+    executor = decode.KimiLinearDecodeExecutor(model, spec_config(), kernels, **kwargs)
+    return model, executor, kernels
+
+
+def allocate_caches(model: nn.Module, slots: int = 5, blocks: int = 3) -> None:
+    for layer in model.model.layers:
+        if hasattr(layer.self_attn, "mla_attn"):
+            layer.self_attn.mla_attn.mla_attn.kv_cache = torch.zeros(blocks, 16, LORA + ROPE)
+        else:
+            layer.self_attn.kv_cache = [
+                torch.zeros(slots, 3, 3 * PROJ),
+                torch.zeros(slots, HEADS, HEAD_DIM, HEAD_DIM),
+            ]
+
+
+def free_caches(model: nn.Module) -> None:
+    """What GPUModelRunner._cleanup_profiling_kv_cache leaves behind."""
+    for layer in model.model.layers:
+        if hasattr(layer.self_attn, "mla_attn"):
+            layer.self_attn.mla_attn.mla_attn.kv_cache = torch.tensor([])
+        else:
+            layer.self_attn.kv_cache = []
+
+
+def forward_context(model: nn.Module, batch: int, **overrides: Any) -> SimpleNamespace:
+    metadata, slot_mapping = {}, {}
+    for layer in model.model.layers:
+        if hasattr(layer.self_attn, "mla_attn"):
+            name = layer.self_attn.mla_attn.mla_attn.layer_name
+            metadata[name] = SimpleNamespace(num_prefills=0, decode=SimpleNamespace())
+            slot_mapping[name] = torch.arange(batch)
+        else:
+            metadata[layer.self_attn.prefix] = SimpleNamespace(
+                num_prefills=0,
+                num_spec_decodes=0,
+                non_spec_state_indices_tensor=torch.arange(1, batch + 1, dtype=torch.int32),
+            )
+    fields = dict(
+        attn_metadata=metadata,
+        slot_mapping=slot_mapping,
+        cudagraph_runtime_mode=CUDAGraphMode.FULL,
+        batch_descriptor=BatchDescriptor(num_tokens=batch, num_reqs=batch, uniform=True),
+    )
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+# ------------------------------------------------------------------------ binding
+def test_kda_input_projections_become_one_weight_the_stock_layers_view():
+    model = stand_in_model()
+    attn = model.model.layers[1].self_attn
+    originals = {
+        n: getattr(attn, n).weight.clone() for n in ("q_proj", "k_proj", "v_proj", "b_proj")
+    }
+    _, executor, _ = build(model)
+    fused = executor.layers[1].attn.in_proj.weight
+    assert fused.shape == (3 * PROJ + HEADS, HIDDEN)
+    row_bytes = HIDDEN * fused.element_size()
+    for start, name in zip(executor.layers[1].attn.in_proj.offsets, originals):
+        param = getattr(attn, name).weight
+        assert param.data_ptr() == fused.data_ptr() + start * row_bytes
+        assert param.is_contiguous() and torch.equal(param, originals[name])
+
+
+def test_without_shared_storage_the_copies_are_counted_and_the_stock_weights_untouched():
+    model = stand_in_model()
+    q_ptr = model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    _, shared, _ = build(stand_in_model())
+    _, copied, _ = build(model, share_storage=False)
+    assert model.model.layers[0].self_attn.q_proj.weight.data_ptr() == q_ptr
+    kda_copy = (3 * PROJ + HEADS + 2 * HEAD_DIM) * HIDDEN * 4  # fp32 toy weights
+    mla_copy = (HEADS * (NOPE + ROPE) + LORA + ROPE) * HIDDEN * 4
+    assert copied.extra_bytes - shared.extra_bytes == 3 * kda_copy + mla_copy
+
+
+def test_mla_moe_dense_and_norm_tensors_are_the_models_own():
+    model, executor, kernels = build()
+    layers = model.model.layers
+    mla = executor.layers[3].attn
+    assert mla.attn is layers[3].self_attn.mla_attn.mla_attn
+    assert mla.o_proj.data_ptr() == layers[3].self_attn.o_proj.weight.data_ptr()
+    moe = next(k for k in kernels.built if k.kind == "moe")
+    block = layers[1].mlp
+    for name, tensor in (
+        ("w13", block.experts.routed_experts.w13_weight),
+        ("w2", block.experts.routed_experts.w2_weight),
+        ("gate_weight", block.gate.weight),
+        ("shared_gate_up", block.shared_experts.gate_up_proj.weight),
+        ("shared_down", block.shared_experts.down_proj.weight),
+        # MoE -> the next layer's input norm.
+        ("rmsnorm_weight", layers[2].input_layernorm.weight),
+    ):
+        assert moe.bound[name].data_ptr() == tensor.data_ptr(), name
+    assert moe.bound["top_k"] == TOP_K and moe.bound["routed_scaling_factor"] == 2.5
+    last_moe = [k for k in kernels.built if k.kind == "moe"][-1]
+    assert last_moe.bound["rmsnorm_weight"].data_ptr() == model.model.norm.weight.data_ptr()
+    gate_up = next(k for k in kernels.built if k.bound.get("epilogue") == "silu_mul")
+    assert gate_up.bound["weight"].data_ptr() == layers[0].mlp.gate_up_proj.weight.data_ptr()
+    o_proj = next(
+        k for k in kernels.built
+        if k.kind == "gemm" and k.bound["weight"].data_ptr()
+        == layers[0].self_attn.o_proj.weight.data_ptr()
+    )  # fmt: skip
+    assert o_proj.bound["epilogue"] == "residual_rmsnorm"
+    assert o_proj.bound["norm"].data_ptr() == layers[0].post_attention_layernorm.weight.data_ptr()
+
+
+def test_block_diagonal_f_b_g_b_maps_f_a_to_g1_and_g_a_to_g2():
+    model, executor, _ = build()
+    attn = model.model.layers[0].self_attn
+    fgb = executor.layers[0].attn.fgb
+    fa, ga = torch.randn(3, HEAD_DIM), torch.randn(3, HEAD_DIM)
+    g12 = torch.cat([fa, ga], 1) @ fgb.T
+    torch.testing.assert_close(g12[:, :PROJ], fa @ attn.f_b_proj.weight.T)
+    torch.testing.assert_close(g12[:, PROJ:], ga @ attn.g_b_proj.weight.T)
+
+
+def test_bind_reads_every_kda_state_and_an_empty_cache_unbinds():
+    model, executor, kernels = build()
+    assert not executor.bind_kv_caches()
+    allocate_caches(model)
+    assert executor.bind_kv_caches() and executor.is_bound
+    kda = [k for k in kernels.built if k.kind == "kda"]
+    assert len(kda) == 3
+    for kernel, layer in zip(kda, model.model.layers):
+        conv, recurrent = layer.self_attn.kv_cache
+        assert kernel.bound["conv_state"] is conv
+        assert kernel.bound["recurrent_state"] is recurrent
+    # Profiling cache freed: no reference may survive in the executor.
+    free_caches(model)
+    assert not executor.bind_kv_caches() and not executor.is_bound
+    assert executor._kda_kernels == {}
+    # The real cache: bound again, to the new tensors.
+    allocate_caches(model, slots=9)
+    assert executor.bind_kv_caches()
+    assert kernels.built[-1].bound["recurrent_state"].shape[0] == 9
+
+
+def test_partially_allocated_caches_are_refused():
+    model, executor, _ = build()
+    allocate_caches(model)
+    model.model.layers[3].self_attn.mla_attn.mla_attn.kv_cache = torch.tensor([])
+    with pytest.raises(RuntimeError, match=r"not for layers \[3\]"):
+        executor.bind_kv_caches()
+
+
+def test_moe_backend_that_repacks_the_experts_is_refused():
+    with pytest.raises(ValueError, match="FLASHINFER_CUTLASS"):
+        build(stand_in_model(moe_backend="FLASHINFER_CUTLASS"))
+
+
+# --------------------------------------------------------------------------- plan
+def test_plan_is_the_op_sequence_of_each_layer_kind():
+    _, executor, _ = build()
+    ops = [(s.layer, s.op) for s in executor.plan]
+    kda = ["kda_in_proj", "kda_fa_ga", "kda_fgb", "kda_step", "o_proj"]
+    mla = ["mla_qkv_a", "mla_kv_a_norm", "mla_decode", "o_proj"]
+    expected = [(-1, "embedding"), (-1, "input_norm")]
+    expected += [(0, op) for op in kda + ["mlp_gate_up", "mlp_down"]]
+    expected += [(1, op) for op in kda + ["moe"]]
+    expected += [(2, op) for op in kda + ["moe"]]
+    expected += [(3, op) for op in mla + ["moe"]]
+    assert ops == expected
+
+
+def test_residual_and_activation_buffers_alternate_and_the_output_is_the_last_write():
+    _, executor, _ = build()
+    for step in executor.plan:
+        assert not set(step.reads) & set(step.writes), step
+    seams = [s for s in executor.plan if s.op in ("o_proj", "mlp_down", "moe")]
+    for before, after in zip(seams, seams[1:]):
+        residual_out = next(w for w in before.writes if w.startswith("residual"))
+        assert residual_out in after.reads
+    assert executor._output in seams[-1].writes
+
+
+def test_buffers_are_sized_for_the_largest_prepared_batch():
+    _, executor, _ = build()
+    assert executor.batch_sizes == (1, 2, 4, 8, 16)
+    widths = executor.buffers.widths()
+    assert widths["kda_proj"] == 3 * PROJ + HEADS
+    assert widths["kda_g12"] == 2 * PROJ
+    assert widths["mla_proj"] == HEADS * (NOPE + ROPE) + LORA + ROPE
+    assert widths["attn_out"] == PROJ
+    assert widths["mlp_act"] == INTER
+    assert all(b.shape[0] == 16 for b in executor.buffers._buffers.values())
+
+
+# ------------------------------------------------------------------------ running
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_run_launches_the_plan_on_static_buffers(batch):
+    model, executor, kernels = build()
+    allocate_caches(model)
+    executor.bind_kv_caches()
+    kernels.log.clear()
+    fc = forward_context(model, batch)
+    out = executor.run(torch.arange(batch), torch.arange(batch), fc)
+    assert out.shape == (batch, HIDDEN)
+    assert out.data_ptr() == executor.buffers.rows(executor._output, batch).data_ptr()
+    kinds = [entry[0] for entry in kernels.log]
+    # embedding, first norm; 4 layers' GEMMs; 3 KDA steps; kv_a norm; 3 MoE.
+    assert kinds.count("embedding") == 1 and kinds.count("kda") == 3
+    assert kinds.count("moe") == 3 and kinds.count("rms_norm") == 2
+    assert kinds.count("gemm") == 3 * 4 + 2 + 2
+    kda_slots = [entry[2][6] for entry in kernels.log if entry[0] == "kda"]
+    assert all(s is fc.attn_metadata[f"model.layers.{i}.self_attn"].non_spec_state_indices_tensor
+               for i, s in enumerate(kda_slots))  # fmt: skip
+    impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
+    assert [c[0] for c in impl.calls] == ["cache_update", "forward_mqa"]
+    assert impl.calls[0][2] is fc.slot_mapping["model.layers.3.self_attn.attn"]
+
+
+def test_run_refuses_unprepared_sizes_and_unbound_caches():
+    model, executor, _ = build()
+    with pytest.raises(RuntimeError, match="not bound"):
+        executor.run(torch.arange(4), None, forward_context(model, 4))
+    allocate_caches(model)
+    executor.bind_kv_caches()
+    for batch in (3, 32):
+        with pytest.raises(ValueError, match="not a prepared decode size"):
+            executor.run(torch.arange(batch), None, forward_context(model, batch))
+
+
+def test_no_prepared_size_within_the_kernels_limit_is_refused():
+    with pytest.raises(ValueError, match="would never run"):
+        decode.KimiLinearDecodeExecutor(stand_in_model(), spec_config((32, 64)), FakeKernels())
+
+
+def test_warmup_launches_every_kernel_on_padding_rows_only():
+    model, executor, kernels = build()
+    allocate_caches(model)
+    executor.bind_kv_caches()
+    kernels.log.clear()
+    executor.warmup()
+    kda_slots = [entry[2][6] for entry in kernels.log if entry[0] == "kda"]
+    assert len(kda_slots) == 3 * len(executor.batch_sizes)
+    assert all(int(s.abs().sum()) == 0 for s in kda_slots)
+    impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
+    assert impl.calls == []  # the stock MLA decode needs real metadata
+
+
+# ----------------------------------------------------------------------- dispatch
+@pytest.mark.parametrize(
+    ("change", "applies"),
+    [
+        ({}, True),
+        ({"cudagraph_runtime_mode": CUDAGraphMode.PIECEWISE}, False),
+        ({"cudagraph_runtime_mode": CUDAGraphMode.NONE}, False),
+        ({"batch_descriptor": BatchDescriptor(num_tokens=4, num_reqs=4)}, False),
+        ({"batch_descriptor": BatchDescriptor(num_tokens=32, num_reqs=32, uniform=True)}, False),
+        ({"batch_descriptor": BatchDescriptor(num_tokens=3, num_reqs=3, uniform=True)}, False),
+        ({"batch_descriptor": None}, False),
+    ],
+)
+def test_step_applies_only_to_uniform_full_graph_decode_of_a_prepared_size(change, applies):
+    model, executor, _ = build()
+    fc = forward_context(model, 4, **change)
+    assert executor.step_applies(fc, capturing=True) is applies
+
+
+def test_step_does_not_apply_outside_capture_or_with_prefills():
+    model, executor, _ = build()
+    assert not executor.step_applies(forward_context(model, 4), capturing=False)
+    fc = forward_context(model, 4)
+    fc.attn_metadata["model.layers.1.self_attn"].num_prefills = 1
+    assert not executor.step_applies(fc, capturing=True)
+    fc = forward_context(model, 4)
+    assert not executor.step_applies(fc, inputs_embeds=torch.zeros(4, HIDDEN), capturing=True)

@@ -1,0 +1,1141 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The latency-specialized decode step of KimiLinearForCausalLM on SM90.
+
+``KimiLinearDecodeExecutor`` is built once from the loaded model's own tensors
+(``SpecializedDecodeModule.process_weights_after_loading``), binds to the KV
+caches every time vLLM (re)allocates them (``bind_kv_caches``) and runs one
+uniform decode step of a prepared batch size as a fixed sequence of kernel
+launches (``plan``) on static buffers, so the step can be captured in vLLM's
+FULL decode CUDA graph. ``KimiLinearForCausalLM.forward`` calls ``maybe_run``;
+it returns None wherever the stock forward must run instead.
+
+Per layer (B rows, one decode token each; seams fused into the epilogues):
+
+* KDA: ``in_proj`` (q|k|v|b, one GEMM) and ``fa_ga`` (f_a|g_a) read the normed
+  input; ``fgb`` (block-diagonal f_b/g_b) turns f_a|g_a into g1|g2; the fused
+  KDA step (conv, gate, delta rule, gated RMSNorm) updates the layer's conv and
+  recurrent state in place; ``o_proj`` adds the residual and applies the
+  post-attention RMSNorm.
+* MLA: ``qkv_a`` (q_proj|kv_a_proj_with_mqa, one GEMM); kv_a_layernorm; the
+  latent cache row write, the W_UK_T absorption, vLLM's own FlashAttention-3
+  MLA decode (``impl.forward_mqa``) and the W_UV up-projection, as vLLM 0.26.0
+  runs them; ``o_proj`` with the residual + RMSNorm epilogue.
+* FFN: layer 0 dense MLP (``gate_up`` SiLU-and-mul, ``down`` with the residual +
+  next-input-RMSNorm epilogue); MoE layers one ``PreparedMoe`` whose epilogue
+  adds the residual and applies the next layer's input RMSNorm (the final norm
+  after the last layer).
+
+The step's output is what ``KimiLinearModel.forward`` returns (final RMSNorm
+applied), the tensor ``compute_logits`` consumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.hpc.hpc_module import HpcModule
+
+from . import SpecializedDecodeConfig
+
+logger = init_logger(__name__)
+
+# PreparedGemm and PreparedMoe serve M <= 16 rows. Larger prepared sizes (32, 64)
+# run the stock decode until the kernels have an M <= 64 variant.
+MAX_PREPARED_TOKENS = 16
+# Extra GPU memory the executor may hold beyond the model's weights (issue 6).
+MAX_EXTRA_BYTES = 2 << 30
+# vLLM's MLA latent cache row: kv_lora_rank latent + qk_rope_head_dim rope part.
+EPILOGUE_PLAIN = "plain"
+EPILOGUE_SILU_MUL = "silu_mul"
+EPILOGUE_RESIDUAL_RMSNORM = "residual_rmsnorm"
+# Conv-state layouts, as PreparedKda names them.
+CONV_LAYOUT_SD = "SD"
+CONV_LAYOUT_DS = "DS"
+
+KernelLaunch = Callable[["StepContext"], None]
+
+
+# --------------------------------------------------------------------- kernels
+class KernelFactory:
+    """Builds the prepared kernels and the stock ops a step uses.
+
+    The default builds the CuTe DSL kernels of ``cutedsl/`` and calls vLLM's own
+    ops; CPU tests pass a factory of fakes with the same signatures.
+    """
+
+    def gemm(
+        self,
+        weight: torch.Tensor,
+        epilogue: str = EPILOGUE_PLAIN,
+        rmsnorm_weight: torch.Tensor | None = None,
+        eps: float = 1e-5,
+    ) -> Any:
+        from ..cutedsl.gemm.prepared import PreparedGemm
+
+        return PreparedGemm(weight, epilogue, rmsnorm_weight=rmsnorm_weight, eps=eps)
+
+    def kda(
+        self,
+        conv_weights: Sequence[torch.Tensor],
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        norm_weight: torch.Tensor,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        num_heads: int,
+        norm_eps: float,
+        conv_layout: str,
+    ) -> Any:
+        from ..cutedsl.kda.prepared import PreparedKda
+
+        return PreparedKda(
+            tuple(conv_weights),
+            a_log,
+            dt_bias,
+            norm_weight,
+            conv_state,
+            recurrent_state,
+            num_heads=num_heads,
+            norm_eps=norm_eps,
+            conv_layout=conv_layout,
+        )
+
+    def moe(self, **kwargs: Any) -> Any:
+        from ..cutedsl.moe.prepared import PreparedMoe
+
+        return PreparedMoe(**kwargs)
+
+    def rms_norm(
+        self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> None:
+        # The kernel behind vLLM's RMSNorm on CUDA (vllm.kernels.vllm_c); rows of
+        # x may be strided (kv_c is a column slice of the qkv_a output).
+        torch.ops._C.rms_norm(out, x, weight, eps)
+
+    def embedding(
+        self, out: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor
+    ) -> None:
+        torch.index_select(weight, 0, ids, out=out)
+
+    def conv_layout(self) -> str:
+        from vllm.model_executor.layers.mamba.mamba_utils import (
+            is_conv_state_dim_first,
+        )
+
+        return CONV_LAYOUT_DS if is_conv_state_dim_first() else CONV_LAYOUT_SD
+
+
+# -------------------------------------------------------------- weight binding
+@dataclass
+class RowFusion:
+    """One weight made of the rows of several [N_i, K] weights."""
+
+    weight: torch.Tensor
+    offsets: tuple[int, ...]
+    """First row of each part."""
+    shared: bool
+    """The parts' parameters now view ``weight`` (no extra memory)."""
+
+
+def fuse_rows(params: Sequence[nn.Parameter], share_storage: bool) -> RowFusion:
+    """Stack ``params`` ([N_i, K], same K/dtype/device) into one [sum N_i, K]
+    tensor. With ``share_storage`` every parameter is re-pointed at its rows of
+    the fused tensor (a contiguous row slice, as nn.Linear expects), so the stock
+    layers keep working and the old storage is freed: the repack costs one
+    layer's fused size transiently and nothing after."""
+    first = params[0]
+    for p in params[1:]:
+        if p.dim() != 2 or p.shape[1] != first.shape[1]:
+            raise ValueError(
+                f"cannot fuse weights of shapes {[tuple(q.shape) for q in params]}"
+            )
+        if p.dtype != first.dtype or p.device != first.device:
+            raise ValueError("cannot fuse weights of different dtypes or devices")
+    fused = torch.cat([p.data for p in params], dim=0)
+    offsets, row = [], 0
+    for p in params:
+        offsets.append(row)
+        row += p.shape[0]
+    if share_storage:
+        for p, start in zip(params, offsets):
+            p.data = fused[start : start + p.shape[0]]
+    return RowFusion(fused, tuple(offsets), share_storage)
+
+
+def block_diagonal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[[a, 0], [0, b]]: f_b and g_b as one GEMM over the contiguous f_a|g_a."""
+    out = a.new_zeros(a.shape[0] + b.shape[0], a.shape[1] + b.shape[1])
+    out[: a.shape[0], : a.shape[1]] = a
+    out[a.shape[0] :, a.shape[1] :] = b
+    return out
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _require(owner: Any, path: str, where: str) -> Any:
+    obj = owner
+    for name in path.split("."):
+        if not hasattr(obj, name):
+            raise ValueError(
+                f"{where}: the loaded model has no {path!r} (missing {name!r}); "
+                "the specialized decode was written against vLLM 0.26.0's "
+                "KimiLinearForCausalLM"
+            )
+        obj = getattr(obj, name)
+    return obj
+
+
+@dataclass
+class Norm:
+    weight: torch.Tensor
+    eps: float
+
+    @classmethod
+    def of(cls, module: nn.Module, where: str) -> Norm:
+        return cls(
+            _require(module, "weight", where).data,
+            float(_require(module, "variance_epsilon", where)),
+        )
+
+
+@dataclass
+class KdaLayer:
+    index: int
+    module: nn.Module
+    """KimiGatedDeltaNetAttention: holds kv_cache (conv, recurrent) and prefix."""
+    name: str
+    in_proj: RowFusion
+    """q | k | v | b rows."""
+    fa_ga: RowFusion
+    """f_a | g_a rows."""
+    fgb: torch.Tensor
+    """block_diagonal(f_b, g_b): [2*H*D, 2*D]."""
+    o_proj: torch.Tensor
+    conv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    o_norm: Norm
+    num_heads: int
+    head_dim: int
+
+
+@dataclass
+class MlaLayer:
+    index: int
+    attn: nn.Module
+    """vLLM's MLAAttention (self_attn.mla_attn.mla_attn)."""
+    name: str
+    qkv_a: RowFusion
+    """q_proj | kv_a_proj_with_mqa rows."""
+    kv_a_norm: Norm
+    o_proj: torch.Tensor
+    num_heads: int
+    qk_nope: int
+    qk_rope: int
+    kv_lora: int
+    v_head: int
+
+
+@dataclass
+class DenseFfn:
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class MoeFfn:
+    gate: torch.Tensor
+    bias: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    shared_gate_up: torch.Tensor
+    shared_down: torch.Tensor
+    top_k: int
+    routed_scaling_factor: float
+    renormalize: bool
+
+
+@dataclass
+class LayerWeights:
+    index: int
+    attn: KdaLayer | MlaLayer
+    post_attention_norm: Norm
+    ffn: DenseFfn | MoeFfn
+    next_norm: Norm
+    """The next layer's input norm, or the final norm after the last layer."""
+
+    @property
+    def kind(self) -> str:
+        return "kda" if isinstance(self.attn, KdaLayer) else "mla"
+
+
+def read_model_weights(
+    model: nn.Module, share_storage: bool = True
+) -> tuple[torch.Tensor, Norm, list[LayerWeights], int]:
+    """(embedding, first input norm, per-layer weights, extra bytes) from a
+    loaded KimiLinearForCausalLM; fused copies are made here, once."""
+    inner = _require(model, "model", "KimiLinearForCausalLM")
+    config = _require(inner, "config", "KimiLinearModel")
+    embed = _require(inner, "embed_tokens.weight", "KimiLinearModel").data
+    layers = list(_require(inner, "layers", "KimiLinearModel"))
+    final_norm = Norm.of(_require(inner, "norm", "KimiLinearModel"), "model.norm")
+    first_norm = Norm.of(
+        _require(layers[0], "input_layernorm", "layer 0"), "layer 0 input_layernorm"
+    )
+    extra = 0
+    result = []
+    for i, layer in enumerate(layers):
+        where = f"model.layers.{i}"
+        self_attn = _require(layer, "self_attn", where)
+        if hasattr(self_attn, "mla_attn"):
+            attn, added = _read_mla(i, self_attn, share_storage, where)
+        elif hasattr(self_attn, "A_log"):
+            attn, added = _read_kda(i, self_attn, share_storage, where)
+        else:
+            raise ValueError(
+                f"{where}.self_attn ({type(self_attn).__name__}) is neither KDA nor MLA"
+            )
+        extra += added
+        mlp = _require(layer, "mlp", where)
+        ffn = _read_moe(mlp, config, where) if hasattr(mlp, "experts") else None
+        if ffn is None:
+            ffn = DenseFfn(
+                _require(mlp, "gate_up_proj.weight", where).data,
+                _require(mlp, "down_proj.weight", where).data,
+            )
+        next_norm = (
+            Norm.of(
+                _require(layers[i + 1], "input_layernorm", f"model.layers.{i + 1}"),
+                f"model.layers.{i + 1}.input_layernorm",
+            )
+            if i + 1 < len(layers)
+            else final_norm
+        )
+        result.append(
+            LayerWeights(
+                index=i,
+                attn=attn,
+                post_attention_norm=Norm.of(
+                    _require(layer, "post_attention_layernorm", where),
+                    f"{where}.post_attention_layernorm",
+                ),
+                ffn=ffn,
+                next_norm=next_norm,
+            )
+        )
+    return embed, first_norm, result, extra
+
+
+def _read_kda(
+    index: int, attn: nn.Module, share_storage: bool, where: str
+) -> tuple[KdaLayer, int]:
+    w = lambda name: _require(attn, f"{name}.weight", f"{where}.self_attn").data  # noqa: E731
+    params = [
+        _require(attn, f"{name}.weight", f"{where}.self_attn")
+        for name in ("q_proj", "k_proj", "v_proj", "b_proj")
+    ]
+    in_proj = fuse_rows(params, share_storage)
+    fa_ga = fuse_rows(
+        [
+            _require(attn, f"{name}.weight", f"{where}.self_attn")
+            for name in ("f_a_proj", "g_a_proj")
+        ],
+        share_storage,
+    )
+    fgb = block_diagonal(w("f_b_proj"), w("g_b_proj"))
+    extra = nbytes(fgb)
+    if not share_storage:
+        extra += nbytes(in_proj.weight) + nbytes(fa_ga.weight)
+    layer = KdaLayer(
+        index=index,
+        module=attn,
+        name=_require(attn, "prefix", f"{where}.self_attn"),
+        in_proj=in_proj,
+        fa_ga=fa_ga,
+        fgb=fgb,
+        o_proj=w("o_proj"),
+        conv_weights=(w("q_conv1d"), w("k_conv1d"), w("v_conv1d")),
+        a_log=_require(attn, "A_log", where).data,
+        dt_bias=_require(attn, "dt_bias", where).data,
+        o_norm=Norm(w("o_norm"), float(_require(attn, "o_norm.eps", where))),
+        num_heads=int(_require(attn, "local_num_heads", where)),
+        head_dim=int(_require(attn, "head_dim", where)),
+    )
+    return layer, extra
+
+
+def _read_mla(
+    index: int, self_attn: nn.Module, share_storage: bool, where: str
+) -> tuple[MlaLayer, int]:
+    mla = _require(self_attn, "mla_attn.mla_attn", f"{where}.self_attn")
+    for name in ("W_UK_T", "W_UV", "impl", "layer_name"):
+        _require(mla, name, f"{where}.self_attn.mla_attn.mla_attn")
+    if getattr(mla, "q_pad_num_heads", None) is not None:
+        raise ValueError(
+            f"{where}: the MLA backend pads the query heads (q_pad_num_heads="
+            f"{mla.q_pad_num_heads}); the specialized decode expects "
+            "FLASH_ATTN_MLA, which does not"
+        )
+    qkv_a = fuse_rows(
+        [
+            _require(self_attn, f"{name}.weight", f"{where}.self_attn")
+            for name in ("q_proj", "kv_a_proj_with_mqa")
+        ],
+        share_storage,
+    )
+    layer = MlaLayer(
+        index=index,
+        attn=mla,
+        name=mla.layer_name,
+        qkv_a=qkv_a,
+        kv_a_norm=Norm.of(
+            _require(self_attn, "kv_a_layernorm", where), f"{where}.kv_a_layernorm"
+        ),
+        o_proj=_require(self_attn, "o_proj.weight", where).data,
+        num_heads=int(_require(self_attn, "num_local_heads", where)),
+        qk_nope=int(_require(self_attn, "qk_nope_head_dim", where)),
+        qk_rope=int(_require(self_attn, "qk_rope_head_dim", where)),
+        kv_lora=int(_require(self_attn, "kv_lora_rank", where)),
+        v_head=int(_require(self_attn, "v_head_dim", where)),
+    )
+    return layer, 0 if share_storage else nbytes(qkv_a.weight)
+
+
+# Unquantized MoE backends that keep vLLM's [E, 2I, H] (w1 rows, then w3 rows)
+# and [E, H, I] layouts, which PreparedMoe reads in place. FlashInfer swaps or
+# re-tiles them (oracle/unquantized.py:convert_to_unquantized_kernel_format).
+MOE_BACKENDS_IN_VLLM_LAYOUT = ("TRITON", "BATCHED_TRITON")
+
+
+def _read_moe(mlp: nn.Module, config: Any, where: str) -> MoeFfn:
+    experts = _require(mlp, "experts.routed_experts", f"{where}.mlp")
+    method = getattr(experts, "quant_method", None)
+    backend_name = getattr(getattr(method, "unquantized_backend", None), "name", None)
+    if backend_name not in MOE_BACKENDS_IN_VLLM_LAYOUT:
+        raise ValueError(
+            f"{where}: MoE backend {backend_name} stores the expert weights in a "
+            f"layout the specialized decode does not read (needs one of "
+            f"{MOE_BACKENDS_IN_VLLM_LAYOUT})"
+        )
+    return MoeFfn(
+        gate=_require(mlp, "gate.weight", where).data,
+        bias=_require(mlp, "gate.e_score_correction_bias", where).data,
+        w13=_require(experts, "w13_weight", where).data,
+        w2=_require(experts, "w2_weight", where).data,
+        shared_gate_up=_require(mlp, "shared_experts.gate_up_proj.weight", where).data,
+        shared_down=_require(mlp, "shared_experts.down_proj.weight", where).data,
+        top_k=int(config.num_experts_per_token),
+        routed_scaling_factor=float(_require(mlp, "routed_scaling_factor", where)),
+        renormalize=bool(config.moe_renormalize),
+    )
+
+
+# ------------------------------------------------------------ static buffers
+class StaticBuffers:
+    """Activation buffers of ``max_tokens`` rows, allocated once; a step of B rows
+    uses their first B rows, so every captured graph sees the same addresses."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_tokens: int):
+        self.device, self.dtype, self.max_tokens = device, dtype, max_tokens
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, width: int, dtype: torch.dtype | None = None) -> None:
+        current = self._buffers.get(name)
+        if current is not None and current.shape[1] >= width:
+            return
+        self._buffers[name] = torch.zeros(
+            self.max_tokens, width, dtype=dtype or self.dtype, device=self.device
+        )
+
+    def rows(self, name: str, batch: int, width: int | None = None) -> torch.Tensor:
+        """The first ``batch`` rows (contiguous: [batch, width])."""
+        buf = self._buffers[name]
+        if width is None or width == buf.shape[1]:
+            return buf[:batch]
+        # A narrower view of a shared buffer, still contiguous.
+        return buf.view(-1)[: batch * width].view(batch, width)
+
+    def flat(self, name: str, numel: int) -> torch.Tensor:
+        return self._buffers[name].view(-1)[:numel]
+
+    def widths(self) -> dict[str, int]:
+        return {name: buf.shape[1] for name, buf in self._buffers.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes(b) for b in self._buffers.values())
+
+
+# --------------------------------------------------------------------- the plan
+@dataclass
+class StepContext:
+    """What one step's launches read: the batch and vLLM's forward context."""
+
+    batch: int
+    forward_context: Any
+    input_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Step:
+    layer: int
+    """-1 for the embedding and the first input norm."""
+    op: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    launch: KernelLaunch = field(compare=False, repr=False)
+
+
+class KimiLinearDecodeExecutor:
+    """One uniform decode step of KimiLinearForCausalLM as fixed kernel launches.
+
+    Build it once after the weights are final; call ``bind_kv_caches`` every
+    time vLLM (re)allocates the KV caches (an empty cache unbinds); ``run`` is
+    graph-capturable for every size in ``batch_sizes``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: SpecializedDecodeConfig,
+        kernels: KernelFactory | None = None,
+        share_storage: bool = True,
+    ):
+        self.kernels = kernels or KernelFactory()
+        self.config = config
+        self.batch_sizes = tuple(
+            s for s in config.batch_sizes if s <= MAX_PREPARED_TOKENS
+        )
+        stock_sizes = [s for s in config.batch_sizes if s > MAX_PREPARED_TOKENS]
+        if not self.batch_sizes:
+            raise ValueError(
+                f"no prepared decode batch size <= {MAX_PREPARED_TOKENS} is a FULL "
+                f"decode CUDA graph size (sizes {config.batch_sizes}); the "
+                "specialized decode would never run"
+            )
+        self.embed, self.first_norm, self.layers, extra = read_model_weights(
+            model, share_storage
+        )
+        if not self.layers:
+            raise ValueError("KimiLinearForCausalLM has no layers")
+        self.device = self.embed.device
+        self.dtype = self.embed.dtype
+        self.hidden = self.embed.shape[1]
+        self.max_tokens = max(self.batch_sizes)
+        self.buffers = StaticBuffers(self.device, self.dtype, self.max_tokens)
+        self._kda_kernels: dict[int, Any] = {}
+        self._bound = False
+        self._padding_slots = torch.zeros(
+            self.max_tokens, dtype=torch.int32, device=self.device
+        )
+        self._kernels: dict[tuple[int, str], Any] = {}
+        self.plan: list[Step] = []
+        self._output = ""
+        self._build_plan()
+        kernel_extra = sum(
+            int(getattr(k, "extra_bytes", 0)) + int(getattr(k, "workspace_bytes", 0))
+            for k in self._kernels.values()
+        )
+        self.extra_bytes = extra + kernel_extra + self.buffers.nbytes
+        if self.extra_bytes > MAX_EXTRA_BYTES:
+            raise ValueError(
+                f"the specialized decode needs {self.extra_bytes / 2**30:.2f} GiB "
+                f"beyond the model's weights, more than the "
+                f"{MAX_EXTRA_BYTES / 2**30:.0f} GiB budget"
+            )
+        logger.info(
+            "Kimi-Linear specialized decode: %d layers, batch sizes %s (stock for "
+            "%s), %.1f MiB extra GPU memory (fused weight copies %.1f MiB, kernel "
+            "packing and workspaces %.1f MiB, activation buffers %.1f MiB)",
+            len(self.layers),
+            self.batch_sizes,
+            stock_sizes or "none",
+            self.extra_bytes / 2**20,
+            extra / 2**20,
+            kernel_extra / 2**20,
+            self.buffers.nbytes / 2**20,
+        )
+
+    # ----------------------------------------------------------------- building
+    def _kernel(self, layer: int, name: str, build: Callable[[], Any]) -> Any:
+        kernel = build()
+        self._kernels[(layer, name)] = kernel
+        return kernel
+
+    def _step(
+        self,
+        layer: int,
+        op: str,
+        reads: tuple[str, ...],
+        writes: tuple[str, ...],
+        launch: KernelLaunch,
+    ) -> None:
+        self.plan.append(Step(layer, op, reads, writes, launch))
+
+    def _build_plan(self) -> None:
+        bufs, hidden = self.buffers, self.hidden
+        for name in ("residual0", "residual1", "x0", "x1"):
+            bufs.add(name, hidden)
+        # Residual stream and normed activations ping-pong between two buffers,
+        # so no launch reads and writes the same buffer.
+        state = {"residual": 0, "x": 0}
+
+        def cur(kind: str) -> str:
+            return f"{kind}{state[kind]}"
+
+        def nxt(kind: str) -> str:
+            return f"{kind}{1 - state[kind]}"
+
+        def advance() -> None:
+            state["residual"] ^= 1
+            state["x"] ^= 1
+
+        embed, norm = self.embed, self.first_norm
+
+        def embed_launch(ctx: StepContext) -> None:
+            self.kernels.embedding(
+                bufs.rows("residual0", ctx.batch), embed, ctx.input_ids[: ctx.batch]
+            )
+
+        def first_norm_launch(ctx: StepContext) -> None:
+            self.kernels.rms_norm(
+                bufs.rows("x0", ctx.batch),
+                bufs.rows("residual0", ctx.batch),
+                norm.weight,
+                norm.eps,
+            )
+
+        self._step(-1, "embedding", ("input_ids",), ("residual0",), embed_launch)
+        self._step(-1, "input_norm", ("residual0",), ("x0",), first_norm_launch)
+
+        for layer in self.layers:
+            if isinstance(layer.attn, KdaLayer):
+                self._plan_kda(layer, cur("x"))
+            else:
+                self._plan_mla(layer, cur("x"))
+            self._plan_residual_gemm(
+                layer.index,
+                "o_proj",
+                layer.attn.o_proj,
+                layer.post_attention_norm,
+                "attn_out",
+                cur("residual"),
+                nxt("residual"),
+                nxt("x"),
+            )
+            advance()
+            ffn_buffers = (cur("x"), cur("residual"), nxt("residual"), nxt("x"))
+            if isinstance(layer.ffn, DenseFfn):
+                self._plan_dense(layer, *ffn_buffers)
+            else:
+                self._plan_moe(layer, *ffn_buffers)
+            advance()
+        self._output = cur("x")
+
+    def _plan_residual_gemm(
+        self,
+        index: int,
+        op: str,
+        weight: torch.Tensor,
+        norm: Norm,
+        src: str,
+        residual: str,
+        residual_out: str,
+        out: str,
+    ) -> None:
+        gemm = self._kernel(
+            index,
+            op,
+            lambda: self.kernels.gemm(
+                weight,
+                EPILOGUE_RESIDUAL_RMSNORM,
+                rmsnorm_weight=norm.weight,
+                eps=norm.eps,
+            ),
+        )
+        bufs = self.buffers
+        width = weight.shape[1]
+
+        def launch(ctx: StepContext) -> None:
+            b = ctx.batch
+            gemm.run(
+                bufs.rows(src, b, width),
+                bufs.rows(out, b),
+                residual=bufs.rows(residual, b),
+                residual_out=bufs.rows(residual_out, b),
+            )
+
+        self._step(index, op, (src, residual), (residual_out, out), launch)
+
+    def _plan_gemm(
+        self,
+        index: int,
+        op: str,
+        weight: torch.Tensor,
+        src: str,
+        src_width: int,
+        out: str,
+        out_width: int,
+        epilogue: str = EPILOGUE_PLAIN,
+    ) -> None:
+        gemm = self._kernel(index, op, lambda: self.kernels.gemm(weight, epilogue))
+        bufs = self.buffers
+        bufs.add(out, out_width)
+
+        def launch(ctx: StepContext) -> None:
+            b = ctx.batch
+            gemm.run(bufs.rows(src, b, src_width), bufs.rows(out, b, out_width))
+
+        self._step(index, op, (src,), (out,), launch)
+
+    def _plan_kda(self, layer: LayerWeights, x: str) -> None:
+        kda = layer.attn
+        assert isinstance(kda, KdaLayer)
+        i, bufs, proj = layer.index, self.buffers, kda.num_heads * kda.head_dim
+        bufs.add("attn_out", proj)
+        self._plan_gemm(
+            i, "kda_in_proj", kda.in_proj.weight, x, self.hidden, "kda_proj",
+            kda.in_proj.weight.shape[0],
+        )  # fmt: skip
+        self._plan_gemm(
+            i, "kda_fa_ga", kda.fa_ga.weight, x, self.hidden, "kda_fa_ga",
+            kda.fa_ga.weight.shape[0],
+        )  # fmt: skip
+        self._plan_gemm(
+            i, "kda_fgb", kda.fgb, "kda_fa_ga", kda.fgb.shape[1], "kda_g12",
+            kda.fgb.shape[0],
+        )  # fmt: skip
+        q0, k0, v0, b0 = kda.in_proj.offsets
+        width = kda.in_proj.weight.shape[0]
+        g_width = kda.fgb.shape[0]
+
+        def launch(ctx: StepContext) -> None:
+            b = ctx.batch
+            kernel = self._kda_kernels.get(i)
+            if kernel is None:
+                raise RuntimeError(
+                    f"{kda.name}: the KV caches are not bound; vLLM must call "
+                    "KimiLinearForCausalLM.bind_kv_caches after allocating them"
+                )
+            p = bufs.rows("kda_proj", b, width)
+            g = bufs.rows("kda_g12", b, g_width)
+            kernel.run(
+                p[:, q0:k0], p[:, k0:v0], p[:, v0:b0], g[:, :proj],
+                p[:, b0 : b0 + kda.num_heads], g[:, proj:],
+                self._kda_slots(ctx, kda), bufs.rows("attn_out", b, proj),
+            )  # fmt: skip
+
+        self._step(i, "kda_step", ("kda_proj", "kda_g12"), ("attn_out",), launch)
+
+    def _kda_slots(self, ctx: StepContext, kda: KdaLayer) -> torch.Tensor:
+        if ctx.forward_context is None:  # warmup: every row is padding
+            return self._padding_slots
+        metadata = _layer_metadata(ctx.forward_context, kda.name)
+        slots = metadata.non_spec_state_indices_tensor
+        if slots is None or slots.shape[0] < ctx.batch:
+            raise RuntimeError(
+                f"{kda.name}: decode metadata has no state index per row "
+                f"({None if slots is None else tuple(slots.shape)} for "
+                f"{ctx.batch} rows)"
+            )
+        return slots
+
+    def _plan_mla(self, layer: LayerWeights, x: str) -> None:
+        mla = layer.attn
+        assert isinstance(mla, MlaLayer)
+        i, bufs = layer.index, self.buffers
+        n, nope, rope = mla.num_heads, mla.qk_nope, mla.qk_rope
+        lora, v_head = mla.kv_lora, mla.v_head
+        q_width = n * (nope + rope)
+        width = mla.qkv_a.weight.shape[0]
+        if width != q_width + lora + rope:
+            raise ValueError(
+                f"{mla.name}: q_proj|kv_a_proj_with_mqa has {width} rows, expected "
+                f"{q_width} + {lora} + {rope}"
+            )
+        bufs.add("attn_out", n * v_head)
+        bufs.add("mla_kv_c", lora)
+        bufs.add("mla_ql_nope", n * lora)
+        self._plan_gemm(
+            i, "mla_qkv_a", mla.qkv_a.weight, x, self.hidden, "mla_proj", width
+        )
+        kernels, attn, norm = self.kernels, mla.attn, mla.kv_a_norm
+
+        def kv_norm_launch(ctx: StepContext) -> None:
+            b = ctx.batch
+            p = bufs.rows("mla_proj", b, width)
+            kernels.rms_norm(
+                bufs.rows("mla_kv_c", b, lora),
+                p[:, q_width : q_width + lora],
+                norm.weight,
+                norm.eps,
+            )
+
+        def core_launch(ctx: StepContext) -> None:
+            b = ctx.batch
+            if ctx.forward_context is None:
+                return  # warmup: the stock MLA decode needs real metadata
+            p = bufs.rows("mla_proj", b, width)
+            q = p[:, :q_width].view(b, n, nope + rope)
+            k_pe = p[:, q_width + lora :].unsqueeze(1)
+            kv_c = bufs.rows("mla_kv_c", b, lora)
+            kv_cache = attn.kv_cache
+            if kv_cache.numel() == 0:
+                raise RuntimeError(
+                    f"{mla.name}: the MLA KV cache is not allocated; the "
+                    "specialized decode runs only in FULL decode graph capture"
+                )
+            fc = ctx.forward_context
+            metadata = _layer_metadata(fc, mla.name)
+            if metadata.num_prefills or metadata.decode is None:
+                raise RuntimeError(
+                    f"{mla.name}: not a pure decode batch (prefills "
+                    f"{metadata.num_prefills})"
+                )
+            # 1. the new latent row (concat_and_cache_mla; slot -1 = padding).
+            attn.impl.do_kv_cache_update(
+                kv_c, k_pe, kv_cache, _layer_slot_mapping(fc, mla.name),
+                attn.kv_cache_dtype, attn._k_scale,
+            )  # fmt: skip
+            # 2. absorb W_UK into the query: (N, B, P) x (N, P, L) -> (N, B, L).
+            ql_nope = bufs.flat("mla_ql_nope", n * b * lora).view(n, b, lora)
+            torch.bmm(q[..., :nope].transpose(0, 1), attn.W_UK_T, out=ql_nope)
+            # 3. vLLM's FlashAttention-3 MLA decode over the paged latent cache.
+            out, _ = attn.impl.forward_mqa(
+                (ql_nope.transpose(0, 1), q[..., nope:]), kv_cache, metadata, attn
+            )
+            # 4. W_UV: (N, B, L) x (N, L, V) -> (N, B, V), stored as [B, N*V].
+            up = bufs.rows("attn_out", b, n * v_head).view(b, n, v_head)
+            torch.bmm(
+                out.view(b, n, lora).transpose(0, 1), attn.W_UV, out=up.transpose(0, 1)
+            )
+
+        self._step(i, "mla_kv_a_norm", ("mla_proj",), ("mla_kv_c",), kv_norm_launch)
+        self._step(
+            i,
+            "mla_decode",
+            ("mla_proj", "mla_kv_c"),
+            ("mla_ql_nope", "attn_out"),
+            core_launch,
+        )
+
+    def _plan_dense(
+        self, layer: LayerWeights, x: str, residual: str, residual_out: str, out: str
+    ) -> None:
+        ffn = layer.ffn
+        assert isinstance(ffn, DenseFfn)
+        inter = ffn.gate_up.shape[0] // 2
+        self._plan_gemm(
+            layer.index, "mlp_gate_up", ffn.gate_up, x, self.hidden, "mlp_act",
+            inter, EPILOGUE_SILU_MUL,
+        )  # fmt: skip
+        self._plan_residual_gemm(
+            layer.index, "mlp_down", ffn.down, layer.next_norm, "mlp_act",
+            residual, residual_out, out,
+        )  # fmt: skip
+
+    def _plan_moe(
+        self, layer: LayerWeights, x: str, residual: str, residual_out: str, out: str
+    ) -> None:
+        ffn = layer.ffn
+        assert isinstance(ffn, MoeFfn)
+        norm = layer.next_norm
+        moe = self._kernel(
+            layer.index,
+            "moe",
+            lambda: self.kernels.moe(
+                gate_weight=ffn.gate,
+                e_score_correction_bias=ffn.bias,
+                w13=ffn.w13,
+                w2=ffn.w2,
+                shared_gate_up=ffn.shared_gate_up,
+                shared_down=ffn.shared_down,
+                top_k=ffn.top_k,
+                routed_scaling_factor=ffn.routed_scaling_factor,
+                renormalize=ffn.renormalize,
+                rmsnorm_weight=norm.weight,
+                eps=norm.eps,
+            ),
+        )
+        bufs = self.buffers
+
+        def launch(ctx: StepContext) -> None:
+            b = ctx.batch
+            moe.run(
+                bufs.rows(x, b),
+                bufs.rows(out, b),
+                residual=bufs.rows(residual, b),
+                residual_out=bufs.rows(residual_out, b),
+            )
+
+        self._step(layer.index, "moe", (x, residual), (residual_out, out), launch)
+
+    # ----------------------------------------------------------------- binding
+    @property
+    def is_bound(self) -> bool:
+        return self._bound
+
+    def _kda_layers(self) -> list[KdaLayer]:
+        return [la.attn for la in self.layers if isinstance(la.attn, KdaLayer)]
+
+    def _mla_layers(self) -> list[MlaLayer]:
+        return [la.attn for la in self.layers if isinstance(la.attn, MlaLayer)]
+
+    def bind_kv_caches(self, vllm_config: Any = None) -> bool:
+        """Re-read every layer's KV cache. vLLM allocates a small profiling cache,
+        frees it, then allocates the real one: call this after each allocation
+        and after the profiling cache is freed. Empty caches unbind (so the
+        profiling cache can be freed); returns whether the executor is bound.
+        With ``vllm_config`` also re-checks the resolved CUDA graph mode."""
+        if vllm_config is not None:
+            self._check_resolved_graphs(vllm_config)
+        states = {kda.index: _kda_state(kda) for kda in self._kda_layers()}
+        mla_bound = {m.index: m.attn.kv_cache.numel() > 0 for m in self._mla_layers()}
+        bound = [i for i, s in states.items() if s is not None]
+        bound += [i for i, ok in mla_bound.items() if ok]
+        self._kda_kernels = {}
+        self._bound = False
+        if not bound:
+            return False
+        if len(bound) != len(states) + len(mla_bound):
+            missing = sorted((set(states) | set(mla_bound)) - set(bound))
+            raise RuntimeError(
+                f"KV caches are allocated for some layers but not for layers "
+                f"{missing}; the specialized decode binds all or none"
+            )
+        layout = self.kernels.conv_layout()
+        for kda in self._kda_layers():
+            conv_state, recurrent_state = states[kda.index]
+            self._kda_kernels[kda.index] = self.kernels.kda(
+                kda.conv_weights,
+                kda.a_log,
+                kda.dt_bias,
+                kda.o_norm.weight,
+                conv_state,
+                recurrent_state,
+                num_heads=kda.num_heads,
+                norm_eps=kda.o_norm.eps,
+                conv_layout=layout,
+            )
+        for mla in self._mla_layers():
+            _check_mla_cache(mla)
+        self._bound = True
+        return True
+
+    def _check_resolved_graphs(self, vllm_config: Any) -> None:
+        from vllm.config import CUDAGraphMode
+
+        compilation = vllm_config.compilation_config
+        mode = compilation.cudagraph_mode or CUDAGraphMode.NONE
+        if mode.decode_mode() != CUDAGraphMode.FULL:
+            raise ValueError(
+                f"decode_backend=latency_specialized: vLLM resolved the CUDA graph "
+                f"mode to {mode}, which has no FULL decode graphs (the attention "
+                "backends do not support them); the specialized decode would "
+                "never run"
+            )
+        captured = set(compilation.cudagraph_capture_sizes or ())
+        missing = [s for s in self.batch_sizes if s not in captured]
+        if missing:
+            raise ValueError(
+                f"decode_backend=latency_specialized: batch sizes {missing} are no "
+                f"longer CUDA graph capture sizes after vLLM resolved them "
+                f"({sorted(captured)})"
+            )
+
+    def warmup(self) -> None:
+        """Launch every prepared kernel once per batch size on the static
+        buffers (KDA rows are padding: no state is touched), so compiling and
+        module loading happen before CUDA graph capture. Needs bound caches."""
+        if not self.is_bound:
+            raise RuntimeError("warmup needs bound KV caches (bind_kv_caches)")
+        for batch in self.batch_sizes:
+            ctx = StepContext(batch, None, self._padding_slots.long())
+            for step in self.plan:
+                if step.op != "embedding":
+                    step.launch(ctx)
+
+    # ------------------------------------------------------------------ running
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        forward_context: Any = None,
+    ) -> torch.Tensor:
+        """One decode step: ``input_ids`` [B] (one token per request; B a
+        prepared size) -> final-normed hidden states [B, hidden], a view of a
+        static buffer. Kimi-Linear's MLA uses no positional embedding, so
+        ``positions`` is not read. ``forward_context`` defaults to vLLM's."""
+        batch = int(input_ids.shape[0])
+        if batch not in self.batch_sizes:
+            raise ValueError(
+                f"batch of {batch} tokens is not a prepared decode size "
+                f"{self.batch_sizes}; sizes above {MAX_PREPARED_TOKENS} run the "
+                "stock decode"
+            )
+        if not self.is_bound:
+            raise RuntimeError(
+                "the specialized decode is not bound to the KV caches; vLLM must "
+                "call KimiLinearForCausalLM.bind_kv_caches after allocating them"
+            )
+        if forward_context is None:
+            from vllm.forward_context import get_forward_context
+
+            forward_context = get_forward_context()
+        ctx = StepContext(batch, forward_context, input_ids)
+        for step in self.plan:
+            step.launch(ctx)
+        return self.buffers.rows(self._output, batch)
+
+    def step_applies(
+        self,
+        forward_context: Any,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        capturing: bool | None = None,
+    ) -> bool:
+        """Whether this forward is a uniform decode step of a prepared size being
+        captured into a FULL CUDA graph (replays never reach Python)."""
+        from vllm.config import CUDAGraphMode
+
+        if intermediate_tensors is not None or inputs_embeds is not None:
+            return False
+        if forward_context.cudagraph_runtime_mode != CUDAGraphMode.FULL:
+            return False
+        if capturing is None:
+            capturing = torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            return False
+        descriptor = forward_context.batch_descriptor
+        if descriptor is None or not descriptor.uniform:
+            return False
+        if descriptor.num_tokens not in self.batch_sizes:
+            return False
+        if descriptor.num_reqs not in (None, descriptor.num_tokens):
+            return False
+        for kda in self._kda_layers():
+            metadata = _layer_metadata(forward_context, kda.name)
+            if metadata.num_prefills or metadata.num_spec_decodes:
+                return False
+        for mla in self._mla_layers():
+            metadata = _layer_metadata(forward_context, mla.name)
+            if metadata.num_prefills or metadata.decode is None:
+                return False
+        return True
+
+    def maybe_run(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The specialized step's hidden states, or None: run the stock forward."""
+        from vllm.forward_context import (
+            get_forward_context,
+            is_forward_context_available,
+        )
+
+        if input_ids is None or not is_forward_context_available():
+            return None
+        forward_context = get_forward_context()
+        if not self.step_applies(forward_context, intermediate_tensors, inputs_embeds):
+            return None
+        return self.run(input_ids, positions, forward_context)
+
+
+# ------------------------------------------------------------- vLLM plumbing
+def _layer_metadata(forward_context: Any, name: str) -> Any:
+    metadata = forward_context.attn_metadata
+    if isinstance(metadata, list):
+        raise RuntimeError("per-ubatch / speculative attention metadata (a list)")
+    if not isinstance(metadata, dict) or name not in metadata:
+        raise RuntimeError(f"{name}: no attention metadata in the forward context")
+    return metadata[name]
+
+
+def _layer_slot_mapping(forward_context: Any, name: str) -> torch.Tensor:
+    mapping = forward_context.slot_mapping
+    if not isinstance(mapping, dict) or mapping.get(name) is None:
+        raise RuntimeError(f"{name}: no slot mapping in the forward context")
+    return mapping[name]
+
+
+def _kda_state(kda: KdaLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's (conv_state, recurrent_state), or None while unallocated."""
+    cache = getattr(kda.module, "kv_cache", None)
+    if cache is None or isinstance(cache, torch.Tensor) or len(cache) == 0:
+        return None
+    if len(cache) != 2:
+        raise RuntimeError(
+            f"{kda.name}: expected (conv_state, recurrent_state), got "
+            f"{len(cache)} state tensors"
+        )
+    conv_state, recurrent_state = cache
+    if conv_state.numel() == 0 or recurrent_state.numel() == 0:
+        return None
+    return conv_state, recurrent_state
+
+
+def _check_mla_cache(mla: MlaLayer) -> None:
+    cache = mla.attn.kv_cache
+    row = mla.kv_lora + mla.qk_rope
+    if cache.dim() != 3 or cache.shape[-1] != row:
+        raise RuntimeError(
+            f"{mla.name}: MLA cache of shape {tuple(cache.shape)}, expected "
+            f"[blocks, block_size, {row}]"
+        )
+
+
+class SpecializedDecodeModule(HpcModule):
+    """Holds the executor inside KimiLinearForCausalLM (no parameters).
+
+    vLLM calls ``process_weights_after_loading(model)`` on every HpcModule after
+    all other weight processing (MLA's W_UK_T / W_UV included), for the default
+    and the dummy loader alike: the executor is built there.
+    """
+
+    def __init__(
+        self, config: SpecializedDecodeConfig, kernels: KernelFactory | None = None
+    ):
+        super().__init__()
+        self.config = config
+        self._kernels = kernels
+        # Not an nn.Module: the executor refers to the model's own modules, which
+        # must not appear twice in named_modules / state_dict.
+        self.executor: KimiLinearDecodeExecutor | None = None
+
+    def process_weights_after_loading(self, model: nn.Module) -> None:
+        if self.executor is not None:
+            raise RuntimeError(
+                "Kimi-Linear specialized decode: weights were processed again "
+                "(reload_weights?); the fused copies would go stale. Restart the "
+                "engine, or run decode_backend=auto"
+            )
+        self.executor = KimiLinearDecodeExecutor(model, self.config, self._kernels)
+
+    def bind_kv_caches(self, vllm_config: Any = None) -> None:
+        if self.executor is None:
+            raise RuntimeError(
+                "Kimi-Linear specialized decode: KV caches bound before the "
+                "executor was built (process_weights_after_loading did not run)"
+            )
+        if self.executor.bind_kv_caches(vllm_config):
+            self.executor.warmup()
+
+    def maybe_run(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        if self.executor is None:
+            return None
+        return self.executor.maybe_run(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("call maybe_run, not the module")
