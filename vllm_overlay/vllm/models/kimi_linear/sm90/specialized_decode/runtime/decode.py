@@ -51,7 +51,7 @@ logger = init_logger(__name__)
 MAX_PREPARED_TOKENS = 16
 # Extra GPU memory the executor may hold beyond the model's weights (issue 6).
 MAX_EXTRA_BYTES = 2 << 30
-# vLLM's MLA latent cache row: kv_lora_rank latent + qk_rope_head_dim rope part.
+# PreparedGemm epilogues (kernels/gemm).
 EPILOGUE_PLAIN = "plain"
 EPILOGUE_SILU_MUL = "silu_mul"
 EPILOGUE_RESIDUAL_RMSNORM = "residual_rmsnorm"
