@@ -81,10 +81,11 @@ test-runtime: venv
 test-upstream: venv
 	$(HD) upstream-tests --python $(WHEEL_VENV)/bin/python --subset cpu
 
-# Kernel tests need an SM90 GPU; elsewhere they skip, each with its reason. They run in the
+# Kernel and end-to-end decode tests need an SM90 GPU; elsewhere they skip, each with its reason
+# (the CuTe DSL compile checks and the small-model config checks run anywhere). They run in the
 # wheel venv, which has the pinned torch and nvidia-cutlass-dsl.
 test-gpu: venv
-	$(WHEEL_VENV)/bin/python -m pytest tests/kernels -q -rs
+	$(WHEEL_VENV)/bin/python -m pytest tests/kernels tests/integration -q -rs
 
 test: test-tooling test-real-pin test-runtime test-upstream test-gpu
 
