@@ -126,8 +126,6 @@ class MoeRouterKernel:
             raise ValueError(
                 f"num_experts={num_experts} must be a multiple of {self.threads}"
             )
-        if top_k * MAX_TOKENS > self.threads * 4:
-            raise ValueError("top_k too large for the routing pass")
         total_steps = ceil_div(hidden // CHUNK, LANES_PER_QUAD)
         slices = warps * split_k
         steps = ceil_div(total_steps, slices)

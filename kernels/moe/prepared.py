@@ -175,9 +175,13 @@ class PreparedMoe:
             raise ValueError(
                 f"need H % 16 == 0 and I % 8 == 0, got H={hidden}, I={inter}"
             )
-        if num_experts % 128 or num_experts > 1024:
+        # The router's table pass gives each of its threads the same number of
+        # experts.
+        router_threads = ROUTER_WARPS * 32
+        if num_experts % router_threads or num_experts > 1024:
             raise ValueError(
-                f"num_experts={num_experts} must be a multiple of 128, <= 1024"
+                f"num_experts={num_experts} must be a multiple of {router_threads} "
+                "and <= 1024"
             )
         if e_score_correction_bias is None or tuple(e_score_correction_bias.shape) != (
             num_experts,
