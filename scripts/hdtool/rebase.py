@@ -424,6 +424,27 @@ def _conflict_commands(pin: Pin, state: State, result: PatchResult) -> list[str]
     return lines
 
 
+_PATH_NOTE = re.compile(r"^(\w+): (remove include|exclude|drop exclusion) (\S+): (.*)$", re.S)
+
+
+def grouped_notes(notes: list[str]) -> list[str]:
+    """The allow-list notes with one line per (subset, change, reason): a reason shared by
+    many paths (e.g. a budget) is written once, after all its paths."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for note in notes:
+        m = _PATH_NOTE.match(note)
+        key = (m[1], m[2], m[4]) if m else (note,)
+        groups.setdefault(key, []).append(m[3] if m else "")
+    out = []
+    for key, paths in groups.items():
+        if len(key) == 1:
+            out.append(key[0])
+        else:
+            subset, change, reason = key
+            out.append(f"{subset}: {change} {', '.join(paths)}: {reason}")
+    return out
+
+
 def render_report(
     pin: Pin,
     state: State,
@@ -614,7 +635,17 @@ def render_report(
             ]
         out += ["| suite | result | counts | time |", "|---|---|---|---|"]
         for t in state.tests:
-            order = ("passed", "failed", "error", "errors", "skipped", "xfailed", "xpassed")
+            order = (
+                "passed",
+                "failed",
+                "error",
+                "errors",
+                "skipped",
+                "xfailed",
+                "xpassed",
+                "deselected",
+                "not run",
+            )
             keys = sorted(t.counts, key=lambda k: order.index(k) if k in order else len(order))
             shown = ", ".join(f"{t.counts[k]} {k}" for k in keys) or "(no counts)"
             if not t.command:
@@ -636,7 +667,7 @@ def render_report(
         out += [f"- {_md_escape(note)}" for note in state.requirements_notes]
     if state.tests_config_notes:
         out += ["", f"Upstream allow-list differences for {v} (merged over the default):", ""]
-        out += [f"- {_md_escape(note)}" for note in state.tests_config_notes]
+        out += [f"- {_md_escape(note)}" for note in grouped_notes(state.tests_config_notes)]
     if notes:
         out += [
             "",
@@ -927,7 +958,7 @@ def _state_file(pin: Pin, version: str) -> Path:
 
 # --- tests against the new tag ---------------------------------------------------------------
 
-_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)\b")
+_COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|not run)\b")
 
 
 def _counts(output: str) -> dict[str, int]:
@@ -1134,7 +1165,8 @@ def upstream_tests_config(pin: Pin, version: str) -> tuple[dict | None, list[str
                     for entry in value or []:
                         if not isinstance(entry, dict) or not str(entry.get("reason", "")).strip():
                             raise HdError(f"{where}: {subset}.exclude: every entry needs a reason")
-                        notes.append(f"{subset}: exclude {entry.get('path')}: {entry['reason']}")
+                        k = f" (-k {entry['k']})" if entry.get("k") else ""
+                        notes.append(f"{subset}: exclude {entry.get('path')}{k}: {entry['reason']}")
                     target["exclude"] = list(target.get("exclude") or []) + list(value or [])
                 elif key == "include":
                     target["include"] = list(target.get("include") or []) + list(value or [])
@@ -1383,6 +1415,11 @@ def run_tests(pin: Pin, state: State, python: str) -> None:
         if upstream.rc == 2 and not upstream.counts:
             upstream.note = (
                 "the upstream-tests command failed before running tests (see its output)"
+            )
+        elif upstream.counts.get("not run"):
+            upstream.note = (
+                f"PARTIAL: pytest stopped early (the subset's session_timeout), "
+                f"{upstream.counts['not run']} selected tests did not run"
             )
     runs.append(upstream)
     state.tests = runs

@@ -7,7 +7,9 @@ It reads the selection that upstream_tests.py wrote (path in HD_UPSTREAM_SELECTI
 - for the GPU subset, refuses to run without a CUDA device (every test would skip);
 - deselects the exclusions that name test ids or a `-k` expression (whole files and
   directories are `--ignore`d by the runner), recording each one's reason;
-- writes a JSON report: counts per outcome, per file, deselections per reason, failures.
+- writes a JSON report: counts per outcome, per file, deselections per reason, failures, and
+  how many selected tests never ran (a session timeout or -x stopped the run early: then the
+  counts cover only part of the selection, and the report says why it stopped).
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class UpstreamSelection:
         self.outcomes: Counter[str] = Counter()
         self.per_file: dict[str, Counter[str]] = defaultdict(Counter)
         self.problems: list[dict] = []
+        self.selected = 0
+        self.ran: set[str] = set()
 
     # --- session start ---------------------------------------------------------------------
     def pytest_sessionstart(self, session: pytest.Session) -> None:
@@ -128,6 +132,7 @@ class UpstreamSelection:
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
+        self.selected = len(items)
 
     # --- outcomes --------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -143,6 +148,7 @@ class UpstreamSelection:
             outcome = "xfailed" if hasattr(report, "wasxfail") else "skipped"
         if outcome is None:
             return
+        self.ran.add(report.nodeid)
         self.outcomes[outcome] += 1
         self.per_file[report.nodeid.split("::", 1)[0]][outcome] += 1
         if outcome in ("failed", "error"):
@@ -177,9 +183,13 @@ class UpstreamSelection:
             for i, rule in enumerate(self.rules)
             if i not in self.deselected
         ]
+        stopped = session.shouldfail or session.shouldstop
         report = {
             "subset": self.selection["subset"],
             "pytest_exitstatus": int(exitstatus),
+            "selected": self.selected,
+            "not_run": max(self.selected - len(self.ran), 0),
+            "stopped": str(stopped) if stopped else "",
             "vllm": self.vllm,
             "counts": {key: self.outcomes.get(key, 0) for key in _OUTCOMES}
             | {"deselected": sum(len(v) for v in self.deselected.values())},

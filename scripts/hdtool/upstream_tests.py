@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -338,7 +339,9 @@ def _check_paths(subset: Subset, run_dir: Path, config: Path) -> None:
 # --- running -------------------------------------------------------------------------------
 
 
-def pytest_command(python: str, subset: Subset, junit: Path, extra: list[str]) -> list[str]:
+def pytest_command(
+    python: str, subset: Subset, junit: Path, extra: list[str], basetemp: Path
+) -> list[str]:
     cmd = [
         python,
         "-m",
@@ -358,7 +361,7 @@ def pytest_command(python: str, subset: Subset, junit: Path, extra: list[str]) -
         f"--junitxml={junit}",
         "-o",
         "junit_family=xunit2",
-        "--basetemp=.tmp",
+        f"--basetemp={basetemp}",
     ]
     if subset.session_timeout:
         cmd.append(f"--session-timeout={subset.session_timeout}")
@@ -395,6 +398,8 @@ def _summary_line(counts: dict[str, int]) -> str:
     for key in ("xfailed", "xpassed", "deselected"):
         if counts.get(key):
             parts.append(f"{counts[key]} {key}")
+    if counts.get("not_run"):
+        parts.append(f"{counts['not_run']} not run")
     return ", ".join(parts)
 
 
@@ -450,7 +455,10 @@ def run(args: argparse.Namespace, pin: Pin) -> int:
     extra = list(args.pytest_arg or [])
     if args.timeout is not None:
         subset.timeout = args.timeout
-    cmd = pytest_command(python, subset, junit.resolve(), extra)
+    # Short, outside the checkout: tests bind AF_UNIX sockets under tmp_path, whose path may
+    # not exceed 107 bytes (a deep checkout, e.g. a rebase's staged project, would).
+    basetemp = Path(tempfile.mkdtemp(prefix=f"hd-upstream-{subset.name}-"))
+    cmd = pytest_command(python, subset, junit.resolve(), extra, basetemp)
     env = run_env(run_dir.resolve(), subset, selection.resolve())
     shown_env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(subset.env.items()))
     print(f"upstream-tests: {subset.name} subset from {_shown(config.path, root)}", flush=True)
@@ -464,7 +472,10 @@ def run(args: argparse.Namespace, pin: Pin) -> int:
         cmd = [*cmd, "--collect-only", "-q"]
     sys.stdout.flush()
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=run_dir, env=env, check=False)
+    try:
+        proc = subprocess.run(cmd, cwd=run_dir, env=env, check=False)
+    finally:
+        shutil.rmtree(basetemp, ignore_errors=True)
     wall = time.monotonic() - start
     if args.list:
         return proc.returncode
@@ -492,7 +503,9 @@ def run(args: argparse.Namespace, pin: Pin) -> int:
         }
     )
     summary.write_text(json.dumps(report, indent=1) + "\n")
-    counts = report["counts"]
+    counts = dict(report["counts"])
+    if report.get("not_run"):
+        counts["not_run"] = report["not_run"]
     for unused in report.get("unused_exclusions", []):
         k = f" -k {unused['k']!r}" if unused.get("k") else ""
         print(f"upstream-tests: warning: exclusion {unused['path']}{k} matched no test")
@@ -502,6 +515,11 @@ def run(args: argparse.Namespace, pin: Pin) -> int:
     verdict = []
     if not report.get("vllm"):
         verdict.append("pytest stopped before running any test (see its message above)")
+    if report.get("not_run"):
+        verdict.append(
+            f"{report['not_run']} of {report.get('selected', '?')} selected tests did not run "
+            f"({report.get('stopped') or 'pytest stopped early'}): the counts are partial"
+        )
     if counts.get("failed") or counts.get("error"):
         verdict.append("failures or errors")
     if counts.get("passed", 0) < subset.min_passed:

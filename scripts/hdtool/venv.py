@@ -8,6 +8,14 @@ records what went in (a venv without it is incomplete). With `--if-stale`:
 - only the wheel's bytes changed, not its dependency metadata (the usual case after editing
   kernels or the overlay): just vllm is reinstalled, `--no-deps` (~15 s instead of minutes);
 - anything else: the venv is made afresh.
+
+The torch family (torch, torchvision, torchaudio) is installed exactly as the wheel pins it:
+each `name==X` pin is also passed as `name===X`, which only the index's own build of X
+satisfies. A machine's local build of the same version (e.g. a find-links store holding
+torch X+cpu) also satisfies `torch==X`, sorts above it and would be chosen, while torchvision
+still comes from the index, built for the index's torch: its compiled ops then fail to load
+and `import vllm` breaks in the middle of the upstream tests. After every install (and before
+an up-to-date venv is kept) the installed versions are compared with the pins.
 """
 
 from __future__ import annotations
@@ -52,15 +60,83 @@ def test_tool_pins(pin: Pin) -> list[str]:
     return pins
 
 
-def dependency_digest(wheel: Path) -> str:
-    """sha256 over the wheel's Requires-Dist / Requires-Python / Provides-Extra lines."""
+def _metadata_header(wheel: Path) -> str:
+    """The header (fields, no description) of the wheel's .dist-info/METADATA."""
     try:
         with zipfile.ZipFile(wheel) as archive:
             found = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
             metadata = archive.read(found[0]).decode() if len(found) == 1 else ""
     except (OSError, zipfile.BadZipFile) as e:
         raise HdError(f"{wheel}: not a readable wheel ({e})") from e
-    header = metadata.partition("\n\n")[0]
+    return metadata.partition("\n\n")[0]
+
+
+# Built against each other: installed as one set, from the index, at the wheel's pins.
+TORCH_FAMILY = ("torch", "torchvision", "torchaudio")
+_EXACT_PIN = re.compile(
+    r"^Requires-Dist:\s*([A-Za-z0-9_.-]+)\s*(\[[^\]]*\])?\s*==\s*([^\s;,]+)\s*(;\s*(.*))?$"
+)
+
+
+def torch_family_pins(wheel: Path) -> dict[str, str]:
+    """{name: version} of the wheel's unconditional `==` pins on the torch family."""
+    pins = {}
+    for line in _metadata_header(wheel).splitlines():
+        m = _EXACT_PIN.match(line.strip())
+        if not m or (m[5] and "extra" in m[5]):
+            continue
+        name = re.sub(r"[-_.]+", "-", m[1]).lower()
+        if name in TORCH_FAMILY:
+            pins[name] = m[3]
+    return pins
+
+
+def torch_family_requirements(wheel: Path) -> list[str]:
+    """`name===version` lines: exactly the index's build of each pinned version (no local
+    label such as +cpu, which `==` would also accept)."""
+    return [f"{name}==={version}" for name, version in sorted(torch_family_pins(wheel).items())]
+
+
+def installed_versions(venv: Path, names: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """{name: installed version, or "" when absent} in the venv."""
+    script = (
+        "import importlib.metadata as m, json, sys\n"
+        "out = {}\n"
+        "for name in sys.argv[1:]:\n"
+        "    try:\n"
+        "        out[name] = m.version(name)\n"
+        "    except m.PackageNotFoundError:\n"
+        "        out[name] = ''\n"
+        "print(json.dumps(out))\n"
+    )
+    try:
+        proc = subprocess.run(
+            [str(venv / "bin" / "python"), "-c", script, *names],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return json.loads(proc.stdout)
+    except (OSError, ValueError):  # no usable interpreter: nothing counts as installed
+        return dict.fromkeys(names, "")
+
+
+def torch_family_mismatches(venv: Path, wheel: Path) -> list[str]:
+    """One line per torch-family package whose installed version is not the wheel's pin."""
+    pins = torch_family_pins(wheel)
+    if not pins:
+        return []
+    found = installed_versions(venv, sorted(pins))
+    return [
+        f"{name} {found.get(name) or '(not installed)'} installed, the wheel pins {version}"
+        for name, version in sorted(pins.items())
+        if found.get(name) != version
+    ]
+
+
+def dependency_digest(wheel: Path) -> str:
+    """sha256 over the wheel's Requires-Dist / Requires-Python / Provides-Extra lines."""
+    header = _metadata_header(wheel)
     wanted = ("Requires-Dist:", "Requires-Python:", "Provides-Extra:")
     lines = [line for line in header.splitlines() if line.startswith(wanted)]
     if not lines:
@@ -132,7 +208,7 @@ def create_venv(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
     start = time.perf_counter()
     try:
         _run([python, "-m", "venv", str(venv)], "creating the venv")
-        requirements = [str(wheel), *test_tool_pins(pin)]
+        requirements = [str(wheel), *torch_family_requirements(wheel), *test_tool_pins(pin)]
         upstream_reqs = pin.root / UPSTREAM_TEST_REQUIREMENTS
         if upstream_reqs.is_file():
             requirements += ["-r", str(upstream_reqs)]
@@ -190,6 +266,13 @@ def _check_installed(pin: Pin, venv: Path, wheel: Path, stamp: dict) -> None:
     ).stdout.strip()
     if installed != pin.local_version:
         raise HdError(f"{venv}: vllm {installed!r} installed, expected {pin.local_version}")
+    wrong = torch_family_mismatches(venv, wheel)
+    if wrong:
+        raise HdError(
+            f"{venv}: " + "; ".join(wrong) + ". torch, torchvision and torchaudio must be the "
+            "index's builds of the pinned versions (a local build such as +cpu does not fit "
+            "the index's torchvision); check pip's find-links / extra-index settings"
+        )
     if sha256_file(wheel) != stamp["wheel_sha256"]:
         raise HdError(f"{wheel} changed during the install (a build ran meanwhile); run again")
 
@@ -215,10 +298,13 @@ def cmd_venv(args: argparse.Namespace, pin: Pin) -> int:
         raise HdError(f"{wheel}: no such wheel; build it with `make build-wheel`")
     stamp = read_stamp(venv) if (venv / "bin" / "python").exists() else None
     wanted = wanted_stamp(pin, wheel, args.python)
-    if args.if_stale and _same(stamp, wanted, ("wheel", "wheel_sha256", *_ENVIRONMENT_KEYS)):
+    wrong = torch_family_mismatches(venv, wheel) if stamp is not None else []
+    if wrong:  # e.g. made before the torch family was pinned exactly: not worth keeping
+        print(f"{shown}: made afresh: " + "; ".join(wrong))
+    elif args.if_stale and _same(stamp, wanted, ("wheel", "wheel_sha256", *_ENVIRONMENT_KEYS)):
         print(f"{shown}: up to date with {wheel.name}")
         return 0
-    if args.if_stale and _same(stamp, wanted, _ENVIRONMENT_KEYS):
+    elif args.if_stale and _same(stamp, wanted, _ENVIRONMENT_KEYS):
         stamp = refresh_wheel(pin, venv, wheel, args.python)
         print(
             f"{shown}: vllm reinstalled from {wheel.name} (dependencies unchanged) in "

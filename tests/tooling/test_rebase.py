@@ -41,6 +41,8 @@ from hdtool.pin import HdError, fingerprint
 from hdtool.rebase import (
     State,
     _bumped_version_text,
+    _counts,
+    grouped_notes,
     stage_project,
     upstream_test_requirements,
     upstream_tests_config,
@@ -457,3 +459,32 @@ def test_upstream_test_requirements_follow_the_tags_own_lock(project: Project):
     text, notes = upstream_test_requirements(project.pin, state)
     assert text == "tblib==3.0.0\n"
     assert notes == ["ci/requirements-upstream-tests-0.2.0.txt used as is"]
+
+
+def test_counts_of_a_partial_upstream_run_keep_the_not_run_tests() -> None:
+    line = "upstream-tests cpu: 1261 passed, 72 failed, 31 skipped, 3 errors, 535 deselected, "
+    line += "812 not run in 1223 s"
+    assert _counts(f"noise\n{line}\nreports: x\n") == {
+        "passed": 1261,
+        "failed": 72,
+        "skipped": 31,
+        "errors": 3,
+        "deselected": 535,
+        "not run": 812,
+    }
+
+
+def test_allow_list_notes_share_one_line_per_reason() -> None:
+    notes = [
+        "cpu: remove include tests/a.py: gone upstream",
+        "cpu: remove include tests/b: budget - too slow",
+        "cpu: remove include tests/c.py: budget - too slow",
+        "cpu: exclude tests/d.py: needs a CUDA GPU",
+        "cpu: account_all = False (base True): new files",
+    ]
+    assert grouped_notes(notes) == [
+        "cpu: remove include tests/a.py: gone upstream",
+        "cpu: remove include tests/b, tests/c.py: budget - too slow",
+        "cpu: exclude tests/d.py: needs a CUDA GPU",
+        "cpu: account_all = False (base True): new files",
+    ]

@@ -7,6 +7,7 @@ import argparse
 import hashlib
 import io
 import json
+import re
 import site
 import subprocess
 import sys
@@ -198,6 +199,11 @@ def test_run_counts_and_reports(pin: Pin, fake_venv: Path, capsys: pytest.Captur
         }
     ]
     assert (pin.root / "build" / "upstream-tests-cpu.junit.xml").is_file()
+    # pytest's tmp_path root is short and outside the checkout (AF_UNIX paths are limited to
+    # 107 bytes), and removed after the run.
+    basetemp = Path(re.search(r"--basetemp=(\S+)", out)[1])
+    assert not basetemp.is_relative_to(pin.root) and not basetemp.exists()
+    assert len(str(basetemp)) < 50
 
 
 def test_run_fails_on_a_failure_and_below_min_passed(
@@ -213,3 +219,20 @@ def test_run_fails_on_a_failure_and_below_min_passed(
     config.write_text(CONFIG.replace("min_passed: 4", "min_passed: 50"))
     assert upstream_tests.run(_args(python=str(fake_venv)), pin) == 1
     assert "fewer than min_passed=50 passed" in capsys.readouterr().out
+
+
+def test_a_run_stopped_early_says_its_counts_are_partial(
+    pin: Pin, fake_venv: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A session timeout (or -x) stops pytest with tests left: the summary counts them and the
+    run fails, so a partial run never reads as a complete one."""
+    config = pin.root / "ci" / "upstream_tests.yaml"
+    config.write_text(CONFIG.replace('k: "3"', 'k: "nothing_matches"'))
+    rc = upstream_tests.run(_args(python=str(fake_venv), pytest_arg=["-x"]), pin)
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "5 passed, 1 failed, 0 skipped, 0 errors, 1 not run" in out
+    assert "1 of 7 selected tests did not run" in out and "the counts are partial" in out
+    report = json.loads((pin.root / "build" / "upstream-tests-cpu.json").read_text())
+    assert (report["selected"], report["not_run"]) == (7, 1)
+    assert report["stopped"]

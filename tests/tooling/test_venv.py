@@ -6,12 +6,17 @@
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import json
+import os
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from tests.tooling.hdtest import Index, isolate_pip
 from tests.tooling.wheel_helpers import OUT_NAME, Project, make_project
 
 from hdtool import venv as venv_mod
@@ -130,3 +135,154 @@ def test_refuses_to_delete_a_directory_that_is_not_a_venv(tmp_path: Path, projec
     with pytest.raises(HdError, match="not a virtual environment"):
         venv_mod._remove_venv(project.pin, precious)
     assert (precious / "data.txt").exists()
+
+
+# --- the torch family comes as one set, at the wheel's pins --------------------------------
+
+TORCH_PINS = (
+    "Requires-Dist: torch==2.13.0\n"
+    "Requires-Dist: torchaudio==2.11.0\n"
+    "Requires-Dist: torchvision==0.28.0\n"
+    "Requires-Dist: torchcodec>=0.14\n"
+    'Requires-Dist: torch==9.9.9; extra == "other"\n'
+)
+
+
+def test_torch_family_pins_come_from_the_wheel(project: Project, tmp_path: Path) -> None:
+    wheel = tmp_path / "w.whl"
+    write_wheel(wheel, TORCH_PINS)
+    assert venv_mod.torch_family_pins(wheel) == {
+        "torch": "2.13.0",
+        "torchaudio": "2.11.0",
+        "torchvision": "0.28.0",
+    }
+    assert venv_mod.torch_family_requirements(wheel) == [
+        "torch===2.13.0",
+        "torchaudio===2.11.0",
+        "torchvision===0.28.0",
+    ]
+    write_wheel(wheel, "Requires-Dist: numpy\n")
+    assert venv_mod.torch_family_requirements(wheel) == []
+
+
+def test_a_venv_with_another_torch_build_is_made_afresh(
+    project: Project, installs: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pin = project.pin
+    wheel = pin.dist_dir / OUT_NAME
+    write_wheel(wheel, TORCH_PINS)
+    venv = fake_venv(project, venv_mod.wanted_stamp(pin, wheel, sys.executable))
+    installed = {"torch": "2.13.0+cpu", "torchaudio": "2.11.0", "torchvision": "0.28.0"}
+    monkeypatch.setattr(venv_mod, "installed_versions", lambda venv, names: installed)
+    assert venv_mod.torch_family_mismatches(venv, wheel) == [
+        "torch 2.13.0+cpu installed, the wheel pins 2.13.0"
+    ]
+    assert venv_mod.cmd_venv(args(), pin) == 0
+    assert installs == [("fresh", venv)]  # the stamp matched: only the check caught it
+    installs.clear()
+    installed["torch"] = "2.13.0"
+    assert venv_mod.cmd_venv(args(), pin) == 0
+    assert installs == []
+
+
+def _real_wheel(dest: Path, name: str, version: str, requires: str = "") -> Path:
+    """A minimal installable wheel (METADATA, WHEEL, RECORD) with one module."""
+    module = name.replace("-", "_")
+    path = dest / f"{module}-{version}-py3-none-any.whl"
+    info = f"{module}-{version}.dist-info"
+    files = {
+        f"{module}/__init__.py": f"VERSION = {version!r}\n".encode(),
+        f"{info}/METADATA": (
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{requires}"
+        ).encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n",
+    }
+    record = []
+    for member, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{member},sha256={digest},{len(data)}")
+    files[f"{info}/RECORD"] = ("\n".join(record) + f"\n{info}/RECORD,,\n").encode()
+    with zipfile.ZipFile(path, "w") as archive:
+        for member, data in files.items():
+            archive.writestr(member, data)
+    return path
+
+
+def _write_index(root: Path, wheels: list[Path]) -> str:
+    """A PEP 503 index (one page per project, absolute file:// links); its URL."""
+    pages: dict[str, list[str]] = {}
+    for wheel in wheels:
+        name = wheel.name.split("-")[0].replace("_", "-").lower()
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        pages.setdefault(name, []).append(
+            f'<a href="{wheel.as_uri()}#sha256={digest}">{wheel.name}</a>'
+        )
+    for name, links in pages.items():
+        page = root / "simple" / name / "index.html"
+        page.parent.mkdir(parents=True)
+        page.write_text("<!DOCTYPE html><html><body>\n" + "\n".join(links) + "\n</body></html>\n")
+    return (root / "simple").as_uri()
+
+
+def test_local_torch_build_is_not_mixed_with_the_index_torchvision(
+    project: Project, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The machine's find-links store holds torch 2.13.0+cpu; the index has torch 2.13.0 and
+    the torchvision built for it. Left to `==` pins, pip takes the +cpu build (local labels
+    sort higher); the venv must get the index's torch."""
+    files = tmp_path / "files"
+    store = tmp_path / "store"
+    files.mkdir()
+    store.mkdir()
+    _real_wheel(store, "torch", "2.13.0+cpu")
+    index_wheels = [
+        _real_wheel(files, "torch", "2.13.0"),
+        _real_wheel(files, "torchvision", "0.28.0", "Requires-Dist: torch==2.13.0\n"),
+        _real_wheel(files, "pytest", "8.4.2"),
+        _real_wheel(files, "pytest-timeout", "2.4.0"),
+    ]
+    index_url = _write_index(tmp_path / "index", index_wheels)
+    isolate_pip(monkeypatch, Index(index_url, {}))
+    monkeypatch.setenv("PIP_FIND_LINKS", str(store))
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    pin = project.pin
+    wheel = pin.dist_dir / f"vllm-{pin.local_version}-py3-none-any.whl"
+    vllm = _real_wheel(
+        tmp_path,
+        "vllm",
+        pin.local_version,
+        "Requires-Dist: torch==2.13.0\nRequires-Dist: torchvision==0.28.0\n",
+    )
+    wheel.write_bytes(vllm.read_bytes())
+    venv = project.root / "build" / "venv-wheel"
+
+    venv_mod.create_venv(pin, venv, wheel, sys.executable)
+
+    assert venv_mod.installed_versions(venv, ["torch", "torchvision"]) == {
+        "torch": "2.13.0",
+        "torchvision": "0.28.0",
+    }
+    # The trap is real: with the wheel's `==` pins alone pip picks the local +cpu build.
+    report = tmp_path / "report.json"
+    subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            str(wheel),
+        ],
+        check=True,
+        env={**os.environ},
+    )
+    chosen = {
+        item["metadata"]["name"]: item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert chosen["torch"] == "2.13.0+cpu"
