@@ -247,6 +247,35 @@ def _strict_applies(repo: Path, patch: Path) -> bool:
     return proc.returncode == 0
 
 
+# git am -3's conflict messages, and where each names the file:
+#   CONFLICT (content): Merge conflict in <path>
+#   CONFLICT (modify/delete): <path> deleted in <side> and modified in <side>. ...
+#   CONFLICT (rename/delete): <path> renamed to <path2> in <side>, but deleted in <side>.
+#   error: patch failed: <path>:<line>
+_CONFLICT_PATH = re.compile(
+    r"^(?:CONFLICT \(content\): Merge conflict in (?P<content>\S+)"
+    r"|CONFLICT \([^)]*/delete\): (?P<deleted>\S+) (?:deleted in|renamed to)"
+    r"|error: patch failed: (?P<failed>[^:\s]+))"
+)
+_DELETED_UPSTREAM = re.compile(r"^CONFLICT \((?:modify|rename)/delete\): (\S+) deleted in")
+
+
+def conflict_paths(lines: list[str]) -> list[str]:
+    """The files git's conflict / failure messages name, in order, once each."""
+    paths: list[str] = []
+    for line in lines:
+        m = _CONFLICT_PATH.match(line)
+        path = m and (m["content"] or m["deleted"] or m["failed"])
+        if path and path not in paths:
+            paths.append(path)
+    return paths
+
+
+def deleted_upstream(lines: list[str]) -> list[str]:
+    """Files the patch modifies that the new release deleted (or moved away)."""
+    return [m[1] for m in map(_DELETED_UPSTREAM.match, lines) if m]
+
+
 def _conflict_details(
     repo: Path, patch: PatchFile, output: str
 ) -> tuple[list[str], list[str], list[str]]:
@@ -261,10 +290,9 @@ def _conflict_details(
         and not line.startswith(("To restore the original", "Use 'git am --show-current"))
     ]
     files = list(unmerged)
-    for line in errors:
-        m = re.match(r"^(?:CONFLICT \([^)]*\): .*? in |error: patch failed: )([^:\s]+)", line)
-        if m and m[1] not in files:
-            files.append(m[1])
+    for path in conflict_paths(errors):
+        if path not in files:
+            files.append(path)
     if not files:
         files = patch.paths
     hunks: list[str] = []
@@ -405,12 +433,25 @@ def _conflict_commands(pin: Pin, state: State, result: PatchResult) -> list[str]
     files = " ".join(result.files) or "<files>"
     cont = hd_command(pin, f"rebase --to {state.version} --continue")
     bump = hd_command(pin, f"bump-pin --to {state.version}")
+    gone = deleted_upstream(result.git_errors)
+    edited = " ".join(f for f in result.files if f not in gone)
     lines = [
         f"git -C {repo} status                 # conflicted files (both modified)",
         f"git -C {repo} diff                   # the conflict markers",
         f"git -C {repo} am --show-current-patch=diff   # the patch being applied",
-        f"# edit {files} in {repo}/ (remove the markers), then:",
-        f"git -C {repo} add {files}",
+    ]
+    if edited or not gone:
+        lines += [
+            f"# edit {edited or files} in {repo}/ (remove the markers), then:",
+            f"git -C {repo} add {edited or files}",
+        ]
+    for path in gone:
+        lines += [
+            f"# {path} was deleted or moved upstream: port the patch's change to where the",
+            "# code lives now (the report's port notes say where), stage that file, and:",
+            f"git -C {repo} rm -q {path}",
+        ]
+    lines += [
         f"git -C {repo} am --continue          # commits it, then applies the remaining patches",
         "# repeat for any later conflict, then re-check and rewrite the report:",
         cont,

@@ -31,7 +31,7 @@ from hdtest import (
     write_simple_index,
 )
 
-from hdtool import cli
+from hdtool import cli, rebase
 from hdtool.gitutil import am_in_progress, current_branch, git
 from hdtool.importcheck import MISSING_MODULE, MISSING_NAME, OK, UNVERIFIABLE, SourceTree
 from hdtool.importcheck import resolve as resolve_import
@@ -488,3 +488,22 @@ def test_allow_list_notes_share_one_line_per_reason() -> None:
         "cpu: exclude tests/d.py: needs a CUDA GPU",
         "cpu: account_all = False (base True): new files",
     ]
+
+
+def test_conflict_messages_name_the_files_not_the_sides() -> None:
+    # The messages git am -3 prints (git 2.4x), one per kind of conflict.
+    lines = [
+        "CONFLICT (content): Merge conflict in vllm/model.py",
+        "CONFLICT (modify/delete): vllm/old.py deleted in HEAD and modified in toy: tune. "
+        "Version toy: tune of vllm/old.py left in tree.",
+        "CONFLICT (rename/delete): vllm/a.py renamed to vllm/b.py in HEAD, but deleted in x.",
+        "error: patch failed: vllm/layers.py:12",
+        "CONFLICT (content): Merge conflict in vllm/model.py",
+    ]
+    assert rebase.conflict_paths(lines) == [
+        "vllm/model.py",
+        "vllm/old.py",
+        "vllm/a.py",
+        "vllm/layers.py",
+    ]
+    assert rebase.deleted_upstream(lines) == ["vllm/old.py"]
