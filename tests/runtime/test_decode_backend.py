@@ -163,6 +163,12 @@ ONE_REASON = [
     ("fp32-conv-state", dict(mamba_cache_dtype="float32"), {}, "KDA conv state dtype"),
     ("prefix-caching", dict(enable_prefix_caching=True), {}, "prefix caching"),
     (
+        "flashinfer-moe",
+        dict(moe_backend="flashinfer_cutlass"),
+        {},
+        "MoE backend 'flashinfer_cutlass'",
+    ),
+    (
         "no-prepared-size",
         dict(compilation_config={"cudagraph_capture_sizes": [12, 24, 48]}),
         {},

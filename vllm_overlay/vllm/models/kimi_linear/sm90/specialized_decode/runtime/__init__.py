@@ -38,6 +38,10 @@ PREPARED_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
 
 MODEL_NAME = "Kimi-Linear-48B-A3B"
 
+# kernel_config.moe_backend values under which the routed experts keep vLLM's
+# stacked w13 [E, 2I, H] / w2 [E, H, I] layout.
+MOE_BACKENDS_IN_TRITON_LAYOUT = ("auto", "triton")
+
 # The shapes the kernels are built for, from the published config.json of
 # moonshotai/Kimi-Linear-48B-A3B-Instruct. Keys are KimiLinearConfig attributes;
 # "linear_attn_config.x" is key x of its linear_attn_config dict. Scalars a kernel
@@ -179,6 +183,7 @@ def unsupported(vllm_config: VllmConfig, platform: Platform | None = None) -> li
     full_decode_graphs = graphs.decode_mode() == CUDAGraphMode.FULL
     conv_dtype, recurrent_dtype = kda_state_dtypes(vllm_config)
     kv_dtype = kv_cache_dtype(vllm_config)
+    moe_backend = vllm_config.kernel_config.moe_backend
 
     checks = [
         (not is_sm90(platform), f"GPU is not SM90 (Hopper): {gpu_name(platform)}"),
@@ -229,6 +234,13 @@ def unsupported(vllm_config: VllmConfig, platform: Platform | None = None) -> li
             f"KDA recurrent state dtype {recurrent_dtype} (needs fp32)",
         ),
         (cache.enable_prefix_caching, "prefix caching"),
+        # The MoE kernel reads vLLM's Triton layout of w13/w2 in place; FlashInfer
+        # swaps or re-tiles them at load. On SM90 "auto" picks Triton.
+        (
+            moe_backend not in MOE_BACKENDS_IN_TRITON_LAYOUT,
+            f"MoE backend {moe_backend!r} (needs 'auto' or 'triton': the expert "
+            "weights are read in vLLM's Triton layout)",
+        ),
         (
             full_decode_graphs and not prepared_batch_sizes(vllm_config),
             "no prepared batch size ("
