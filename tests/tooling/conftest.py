@@ -13,13 +13,12 @@ from hdtest import (
     Index,
     Project,
     isolate_pip,
+    make_imported_project,
     make_sdist,
     make_wheel,
     version_toml,
     write_simple_index,
 )
-
-from hdtool import cli
 
 
 @pytest.fixture(scope="session")
@@ -45,17 +44,7 @@ def imported_template(
     tmp_path_factory: pytest.TempPathFactory, package_index: Index
 ) -> Iterator[Path]:
     """A project with 0.1.0 fetched and imported, copied by each test (import runs once)."""
-    root = tmp_path_factory.mktemp("template") / "proj"
-    root.mkdir()
-    (root / "VERSION").write_text(version_toml(package_index))
-    (root / "patches").mkdir()
-    (root / "patches" / "series").write_text("")
-    (root / "vllm_overlay").mkdir()
-    (root / "kernels").mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        isolate_pip(mp, package_index)
-        assert cli.main(["--root", str(root), "import"]) == 0
-    yield root
+    yield make_imported_project(tmp_path_factory.mktemp("template") / "proj", package_index)
 
 
 @pytest.fixture

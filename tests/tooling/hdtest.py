@@ -122,6 +122,20 @@ def isolate_pip(mp: pytest.MonkeyPatch, index: Index) -> None:
     mp.setenv("PIP_INDEX_URL", index.url)
 
 
+def make_imported_project(root: Path, index: Index) -> Path:
+    """An empty patch-set project pinned to 0.1.0 of ``index``, fetched and imported."""
+    root.mkdir(parents=True)
+    (root / "VERSION").write_text(version_toml(index))
+    (root / "patches").mkdir()
+    (root / "patches" / "series").write_text("")
+    (root / "vllm_overlay").mkdir()
+    (root / "kernels").mkdir()
+    with pytest.MonkeyPatch.context() as mp:
+        isolate_pip(mp, index)
+        assert cli.main(["--root", str(root), "import"]) == 0
+    return root
+
+
 def version_toml(index: Index, **overrides: str) -> str:
     sdist, wheel = f"{NAME}-0.1.0.tar.gz", f"{NAME}-0.1.0-{WHEEL_TAGS}.whl"
     values = {

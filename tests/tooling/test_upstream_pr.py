@@ -17,13 +17,12 @@ from hdtest import (
     Index,
     Project,
     isolate_pip,
+    make_imported_project,
     make_sdist,
     make_wheel,
-    version_toml,
     write_simple_index,
 )
 
-from hdtool import cli
 from hdtool.gitutil import git, git_out
 from hdtool.pin import HdError, fingerprint
 from hdtool.upstream_pr import (
@@ -189,17 +188,7 @@ def pr_index(tmp_path_factory: pytest.TempPathFactory) -> Index:
 
 @pytest.fixture(scope="module")
 def pr_template(tmp_path_factory: pytest.TempPathFactory, pr_index: Index) -> Path:
-    root = tmp_path_factory.mktemp("upstream-pr-template") / "proj"
-    root.mkdir()
-    (root / "VERSION").write_text(version_toml(pr_index))
-    (root / "patches").mkdir()
-    (root / "patches" / "series").write_text("")
-    (root / "vllm_overlay").mkdir()
-    (root / "kernels").mkdir()
-    with pytest.MonkeyPatch.context() as mp:
-        isolate_pip(mp, pr_index)
-        assert cli.main(["--root", str(root), "import"]) == 0
-    return root
+    return make_imported_project(tmp_path_factory.mktemp("upstream-pr-template") / "proj", pr_index)
 
 
 @pytest.fixture
