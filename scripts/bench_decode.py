@@ -52,6 +52,7 @@ PREFILL_REQUESTS = 16
 PREFILL_TOKENS = 1024
 EXPERT_COUNT_STEPS = 64
 BACKENDS = ("auto", "latency_specialized")
+ROLES = (*BACKENDS, "experts")
 BF16 = 2
 FP32 = 4
 
@@ -349,7 +350,7 @@ def _worker(args) -> int:
     return 0
 
 
-def _spawn(args, role: str, result: Path) -> dict:
+def _spawn(args, role: str, result: Path) -> None:
     cmd = [
         sys.executable, __file__, "--worker", role, "--result", str(result),
         "--model-dir", str(args.model_dir), "--n", args.n, "--runs", str(args.runs),
@@ -360,7 +361,6 @@ def _spawn(args, role: str, result: Path) -> dict:
             f"error: the {role} run failed (exit {done.returncode}); see its output above. "
             "Nothing was written."
         )
-    return json.loads(result.read_text())
 
 
 def main() -> int:
@@ -372,6 +372,16 @@ def main() -> int:
     ap.add_argument("--worker", choices=(*BACKENDS, "experts"), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--render-only", action="store_true")
+    ap.add_argument(
+        "--roles",
+        default=",".join(ROLES),
+        help=f"run only these of {','.join(ROLES)}, keeping each result in --scratch; "
+        "the report is written once every role has a result there (split a run over "
+        "several calls)",
+    )
+    ap.add_argument(
+        "--scratch", type=Path, help="per-role results (default <out-dir>/.bench_decode)"
+    )
     args = ap.parse_args()
     if args.worker:
         return _worker(args)
@@ -393,10 +403,22 @@ def main() -> int:
         print(f"error: needs the patched vLLM wheel (make build-wheel): {exc}", file=sys.stderr)
         return 2
     config = json.loads((args.model_dir / "config.json").read_text())
-    scratch = args.out_dir / ".bench_decode"
+    scratch = args.scratch or args.out_dir / ".bench_decode"
     scratch.mkdir(parents=True, exist_ok=True)
-    results = {b: _spawn(args, b, scratch / f"{b}.json") for b in BACKENDS}
-    experts = {int(k): v for k, v in _spawn(args, "experts", scratch / "experts.json").items()}
+    roles = args.roles.split(",")
+    unknown = sorted(set(roles) - set(ROLES))
+    if unknown:
+        print(f"error: unknown roles {unknown}; choose from {ROLES}", file=sys.stderr)
+        return 2
+    for role in roles:
+        _spawn(args, role, scratch / f"{role}.json")
+    missing = [r for r in ROLES if not (scratch / f"{r}.json").exists()]
+    if missing:
+        print(f"{scratch}: no result yet for {missing}; run them with --roles to finish")
+        return 0
+    got = {r: json.loads((scratch / f"{r}.json").read_text()) for r in ROLES}
+    results = {b: got[b] for b in BACKENDS}
+    experts = {int(k): v for k, v in got["experts"].items()}
     data = {
         "summary": summarize(config, results, experts),
         "runs": results,

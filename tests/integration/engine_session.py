@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -137,7 +138,9 @@ class Session:
             while pending and pending[0].arrive_at_step <= step:
                 r = pending.pop(0)
                 [request_id] = self.llm.enqueue([prompt(r)], [sampling_params(r)], use_tqdm=False)
-                tag_of[request_id] = r.tag
+                # enqueue returns the engine's internal id ("<id>-<8 random chars>",
+                # InputProcessor.assign_request_id); step() outputs carry the given id.
+                tag_of[request_id] = tag_of[request_id.rpartition("-")[0]] = r.tag
             if engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
@@ -166,7 +169,12 @@ def main() -> int:
     parser.add_argument("--forced-from", type=Path)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    status: dict[str, Any] = {"kind": args.kind, "status": "starting", "seconds": {}}
+    status: dict[str, Any] = {
+        "kind": args.kind,
+        "status": "starting",
+        "forced_from": args.forced_from and str(args.forced_from),
+        "seconds": {},
+    }
 
     def write_status() -> None:
         (args.out / "session.json").write_text(json.dumps(status, indent=2))
@@ -185,6 +193,10 @@ def main() -> int:
         write_status()
         return 3
     status["seconds"]["engine_start"] = round(time.perf_counter() - started, 1)
+    if shared_triton_cache := os.environ.get("HD_TRITON_CACHE_DIR"):
+        # Set by engine_runs.py: one autotuning cache for every engine kind (vLLM named
+        # the folder after this engine's compile hash at start; Triton reads it per use).
+        os.environ["TRITON_CACHE_DIR"] = shared_triton_cache
 
     try:
         import torch

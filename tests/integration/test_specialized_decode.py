@@ -21,20 +21,15 @@ sampler's raw logits, one row per request and output position; KDA states and ML
 are read from the worker's KV caches (by layer name and the request's block ids) through
 collective_rpc right after each comparison run.
 
-Until the executor is in the build, the specialized engine refuses to start ("executor is not
-in this build yet"): every test that needs it fails with that message. Skips (with the reason)
+Engines run through engine_runs.py (also a command: run them in separate device calls,
+then judge with HD_INTEGRATION_DIR + HD_INTEGRATION_REUSE=1). Skips (with the reason)
 without an SM90 GPU, without vLLM, or with a vLLM that is not the patched wheel.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -53,11 +48,11 @@ pytest.importorskip(
 )
 
 import scenarios as sc  # noqa: E402
+from engine_runs import EngineRun, run_engine  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-SESSION = Path(__file__).resolve().parent / "engine_session.py"
-ENGINE_TIMEOUT_S = 900
+REUSE = os.environ.get("HD_INTEGRATION_REUSE") == "1"
 
 # Issue 6's thresholds.
 MIN_LOGITS_COSINE = 0.999
@@ -70,78 +65,7 @@ MAX_KDA_STATE_REL_ERR = 0.03
 MAX_MLA_ROW_REL_ERR = 0.05
 
 
-# --- engine runs --------------------------------------------------------------------------
-
-
-@dataclass
-class EngineRun:
-    kind: str
-    out: Path
-    status: dict[str, Any]
-    log: Path
-    _loaded: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status.get("status") == "ok"
-
-    @property
-    def engine(self) -> dict[str, Any]:
-        return self.status.get("engine", {})
-
-    def describe_failure(self) -> str:
-        error = self.status.get("error") or []
-        head = "\n".join(f"  {kind}: {message}" for kind, message in error[:4])
-        log_tail = self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
-        return (
-            f"{self.kind} engine: {self.status.get('status')}\n{head}\n"
-            f"--- {self.log} (tail) ---\n{log_tail}"
-        )
-
-    def require_ok(self) -> None:
-        if not self.ok:
-            pytest.fail(self.describe_failure(), pytrace=False)
-
-    def load(self, scenario: str) -> dict[str, Any]:
-        self.require_ok()
-        if scenario not in self._loaded:
-            self._loaded[scenario] = torch.load(self.out / f"{scenario}.pt")
-        return self._loaded[scenario]
-
-
-def run_engine(kind: str, root: Path, forced_from: Path | None = None) -> EngineRun:
-    out = root / kind
-    out.mkdir(parents=True, exist_ok=True)
-    log = out / "engine.log"
-    env = dict(os.environ)
-    # In-process engine core: start-up exceptions arrive unwrapped, collective_rpc callables
-    # run on the live runner without serialization.
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_BREAKABLE_CUDAGRAPH"):
-        env.pop(name, None)  # the default deployment
-    command = [sys.executable, str(SESSION), "--kind", kind, "--out", str(out)]
-    if forced_from is not None:
-        command += ["--forced-from", str(forced_from)]
-    with log.open("w") as sink:
-        try:
-            completed = subprocess.run(
-                command,
-                cwd=SESSION.parent,
-                env=env,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                timeout=ENGINE_TIMEOUT_S,
-            )
-            returncode: int | None = completed.returncode
-        except subprocess.TimeoutExpired:
-            returncode = None
-    status_file = out / "session.json"
-    status = json.loads(status_file.read_text()) if status_file.exists() else {}
-    if returncode is None:
-        status["status"] = f"timed out after {ENGINE_TIMEOUT_S} s"
-    elif status.get("status") in (None, "starting") or (returncode and status["status"] == "ok"):
-        status["status"] = f"crashed (exit code {returncode})"
-    return EngineRun(kind, out, status, log)
+# --- engine runs ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -156,18 +80,18 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stock(workdir: Path) -> EngineRun:
-    return run_engine("stock", workdir)
+    return run_engine("stock", workdir, reuse=REUSE)
 
 
 @pytest.fixture(scope="module")
 def specialized(workdir: Path, stock: EngineRun) -> EngineRun:
     stock.require_ok()  # its tokens drive the teacher forcing
-    return run_engine("specialized", workdir, forced_from=stock.out)
+    return run_engine("specialized", workdir, forced_from=stock.out, reuse=REUSE)
 
 
 @pytest.fixture(scope="module")
 def auto(workdir: Path) -> EngineRun:
-    return run_engine("auto", workdir)
+    return run_engine("auto", workdir, reuse=REUSE)
 
 
 @pytest.fixture(scope="module")

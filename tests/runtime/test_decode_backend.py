@@ -351,11 +351,23 @@ def test_model_refuses_an_unknown_backend(kimi_linear: Any, engine_config: Any) 
         kimi_linear.KimiLinearForCausalLM(vllm_config=vllm_config)
 
 
-def test_model_never_runs_stock_under_the_flag(kimi_linear: Any, engine_config: Any) -> None:
-    """Supported, but the executor is not in this build: it must not fall back to stock."""
+def test_model_holds_the_executor_under_the_flag(
+    kimi_linear: Any, engine_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Supported: the model gets a SpecializedDecodeModule (built from the weights later)
+    before the stock backbone, so forward() can hand it FULL decode-graph captures."""
+    built = []
+    holder = kimi_linear.SpecializedDecodeModule
+
+    def recording_holder(config: Any) -> Any:
+        built.append(config)
+        return holder(config)
+
+    monkeypatch.setattr(kimi_linear, "SpecializedDecodeModule", recording_holder)
     vllm_config = engine_config(additional_config=SPECIALIZED)
-    with pytest.raises(ValueError, match="executor is not in this build"):
+    with pytest.raises(StockBuildReached):
         kimi_linear.KimiLinearForCausalLM(vllm_config=vllm_config)
+    assert len(built) == 1 and built[0].batch_sizes
 
 
 @pytest.mark.parametrize(
