@@ -39,6 +39,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -261,7 +262,7 @@ def run_backend(model_dir: Path, backend: str, ns: list[int], runs: int) -> dict
         )
 
     async def main() -> dict:
-        result = {"step_ms": {}, "step_ms_runs": {}}
+        result = {"step_ms": {}, "step_ms_runs": {}, "runs": runs}
         for n in ns:
             await batch(f"warm{n}", n, PROMPT_TOKENS, 16)
             medians = []
@@ -340,6 +341,33 @@ def count_experts(model_dir: Path, ns: list[int]) -> dict[int, float]:
 
 
 # --------------------------------------------------------------------- main
+def run_roles(
+    roles: list[str], scratch: Path, spawn: Callable[[str, Path], None]
+) -> dict[str, dict] | None:
+    """Run ``roles`` (each writes <scratch>/<role>.json through ``spawn``), then read every
+    role's result; None (and a note) while some role has none yet, so one benchmark can be
+    split over several device calls. Refuses unknown roles and backend runs of different
+    ``--runs`` before anything is run / reported."""
+    unknown = sorted(set(roles) - set(ROLES))
+    if unknown:
+        raise ValueError(f"unknown roles {unknown}; choose from {ROLES}")
+    scratch.mkdir(parents=True, exist_ok=True)
+    for role in roles:
+        spawn(role, scratch / f"{role}.json")
+    missing = [r for r in ROLES if not (scratch / f"{r}.json").exists()]
+    if missing:
+        print(f"{scratch}: no result yet for {missing}; run them with --roles to finish")
+        return None
+    got = {r: json.loads((scratch / f"{r}.json").read_text()) for r in ROLES}
+    runs = {got[b].get("runs") for b in BACKENDS}
+    if len(runs) != 1:
+        raise ValueError(
+            f"the backends in {scratch} ran with different --runs {sorted(map(str, runs))}; "
+            "re-run one of them"
+        )
+    return got
+
+
 def _worker(args) -> int:
     ns = [int(n) for n in args.n.split(",")]
     if args.worker == "experts":
@@ -404,28 +432,23 @@ def main() -> int:
         return 2
     config = json.loads((args.model_dir / "config.json").read_text())
     scratch = args.scratch or args.out_dir / ".bench_decode"
-    scratch.mkdir(parents=True, exist_ok=True)
-    roles = args.roles.split(",")
-    unknown = sorted(set(roles) - set(ROLES))
-    if unknown:
-        print(f"error: unknown roles {unknown}; choose from {ROLES}", file=sys.stderr)
+    try:
+        got = run_roles(args.roles.split(","), scratch, lambda role, path: _spawn(args, role, path))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    for role in roles:
-        _spawn(args, role, scratch / f"{role}.json")
-    missing = [r for r in ROLES if not (scratch / f"{r}.json").exists()]
-    if missing:
-        print(f"{scratch}: no result yet for {missing}; run them with --roles to finish")
+    if got is None:
         return 0
-    got = {r: json.loads((scratch / f"{r}.json").read_text()) for r in ROLES}
     results = {b: got[b] for b in BACKENDS}
     experts = {int(k): v for k, v in got["experts"].items()}
+    runs = results[BACKENDS[0]]["runs"]
     data = {
         "summary": summarize(config, results, experts),
         "runs": results,
         "method": (
             f"median inter-token latency (prefill excluded) of N requests in flight, "
             f"{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, ignore_eos, "
-            f"greedy, median of {args.runs} runs; AsyncLLM streaming, one engine per "
+            f"greedy, median of {runs} runs; AsyncLLM streaming, one engine per "
             "process, dummy weights, seed 0; floor = weights a step reads (distinct "
             "experts measured on an eager stock engine) + per-request KDA/conv state "
             "read+write + MLA latent cache read, / 4.25 TB/s"

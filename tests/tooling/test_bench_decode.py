@@ -91,3 +91,35 @@ def test_markdown_has_one_row_per_n(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "8"]
     assert "| 1 | 3.600 | 1.800 | 2.00x |" in rows[1]
+
+
+def _fake_spawn(calls: list[str], runs: int = 1):
+    def spawn(role: str, path: Path) -> None:
+        calls.append(role)
+        result = {"0": 8.0} if role == "experts" else {"step_ms": {"1": 1.0}, "runs": runs}
+        path.write_text(json.dumps(result))
+
+    return spawn
+
+
+def test_run_roles_splits_a_benchmark_over_calls(tmp_path, capsys):
+    calls: list[str] = []
+    assert bench.run_roles(["auto", "experts"], tmp_path, _fake_spawn(calls)) is None
+    assert "latency_specialized" in capsys.readouterr().out
+    got = bench.run_roles(["latency_specialized"], tmp_path, _fake_spawn(calls))
+    assert calls == ["auto", "experts", "latency_specialized"]
+    assert set(got) == set(bench.ROLES) and got["experts"] == {"0": 8.0}
+
+
+def test_run_roles_refuses_unknown_roles_before_running(tmp_path):
+    calls: list[str] = []
+    with pytest.raises(ValueError, match="unknown roles"):
+        bench.run_roles(["auto", "stock"], tmp_path, _fake_spawn(calls))
+    assert calls == []
+
+
+def test_run_roles_refuses_backends_of_different_run_counts(tmp_path):
+    calls: list[str] = []
+    bench.run_roles(["auto", "experts"], tmp_path, _fake_spawn(calls, runs=3))
+    with pytest.raises(ValueError, match="different --runs"):
+        bench.run_roles(["latency_specialized"], tmp_path, _fake_spawn(calls, runs=1))
