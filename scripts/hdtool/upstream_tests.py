@@ -40,6 +40,7 @@ CONFIG = "ci/upstream_tests.yaml"
 DEFAULT_PYTHON = "build/venv-wheel/bin/python"
 RUN_DIR = "build/upstream-tests"
 PLUGIN_MODULE = "_hd_upstream_plugin"
+SDIST_STAMP = ".hd-sdist-sha256"  # which sdist the run directory was unpacked from
 SUBSETS = ("cpu", "gpu")
 # Never unpacked: the tests must import vllm from the installed wheel.
 FORBIDDEN_EXTRACT = ("vllm",)
@@ -272,7 +273,24 @@ def extract_tests(pin: Pin, extract: list[str], dest: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         raise HdError(f"{sdist}: has no {', '.join(m + '/' for m in missing)}")
     (staging / "pytest.ini").write_text(_pytest_ini(pyproject))
+    (staging / SDIST_STAMP).write_text(pin.sdist_sha256 + "\n")
     staging.rename(dest)
+
+
+def check_extracted(pin: Pin, dest: Path) -> None:
+    """For --extracted: dest must hold tests unpacked from the pinned sdist (its stamp)."""
+    stamp = dest / SDIST_STAMP
+    if not stamp.is_file():
+        raise HdError(
+            f"{dest}: no tests unpacked by `upstream-tests` here ({SDIST_STAMP} missing); run "
+            "it once without --extracted on a machine with the sdist, then copy the folder"
+        )
+    found = stamp.read_text().strip()
+    if found != pin.sdist_sha256:
+        raise HdError(
+            f"{dest}: unpacked from sdist sha256 {found}, not the pinned {pin.sdist_sha256}; "
+            "unpack again without --extracted"
+        )
 
 
 def _sdist_member(sdist: Path, name: str) -> bytes:
@@ -423,7 +441,10 @@ def run(args: argparse.Namespace, pin: Pin) -> int:
         raise HdError(f"{python}: no such interpreter; make the wheel venv first (`make venv`)")
 
     run_dir = root / RUN_DIR
-    extract_tests(pin, config.extract, run_dir)
+    if args.extracted:
+        check_extracted(pin, run_dir)
+    else:
+        extract_tests(pin, config.extract, run_dir)
     if (run_dir / "vllm").exists():  # extract refuses it; a belt for the braces
         raise HdError(f"{run_dir}/vllm exists: the tests would import the sdist, not the wheel")
     _check_paths(subset, run_dir, config.path)
@@ -558,6 +579,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=int, metavar="S", help="per-test timeout (default: yaml)")
     p.add_argument(
         "--list", action="store_true", help="only collect: show what the selection holds"
+    )
+    p.add_argument(
+        "--extracted",
+        action="store_true",
+        help=f"use the tests already unpacked in {RUN_DIR} (copied to a machine without the "
+        "pinned sdist, e.g. the GPU host) instead of unpacking them again",
     )
     p.add_argument(
         "--pytest-arg",

@@ -119,7 +119,15 @@ def fake_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    base = dict(python=None, subset="cpu", config=None, timeout=None, list=False, pytest_arg=None)
+    base = dict(
+        python=None,
+        subset="cpu",
+        config=None,
+        timeout=None,
+        list=False,
+        pytest_arg=None,
+        extracted=False,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -236,3 +244,22 @@ def test_a_run_stopped_early_says_its_counts_are_partial(
     report = json.loads((pin.root / "build" / "upstream-tests-cpu.json").read_text())
     assert (report["selected"], report["not_run"]) == (7, 1)
     assert report["stopped"]
+
+
+def test_extracted_runs_without_the_sdist(pin: Pin, fake_venv: Path, capsys) -> None:
+    """--extracted: the unpacked tests travel to a host without the sdist (the GPU host)."""
+    assert upstream_tests.run(_args(python=str(fake_venv)), pin) == 0
+    (pin.cache_dir / pin.sdist).unlink()
+    capsys.readouterr()
+    assert upstream_tests.run(_args(python=str(fake_venv), extracted=True), pin) == 0
+    assert "6 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_extracted_refuses_tests_of_another_sdist_or_none(pin: Pin) -> None:
+    run_dir = pin.root / "build" / "upstream-tests"
+    with pytest.raises(HdError, match="no tests unpacked"):
+        upstream_tests.run(_args(python=sys.executable, extracted=True), pin)
+    upstream_tests.extract_tests(pin, ["tests"], run_dir)
+    (run_dir / upstream_tests.SDIST_STAMP).write_text("0" * 64 + "\n")
+    with pytest.raises(HdError, match="not the pinned"):
+        upstream_tests.run(_args(python=sys.executable, extracted=True), pin)
