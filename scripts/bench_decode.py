@@ -18,6 +18,8 @@ Also measured:
     specialized / stock;
   * distinct routed experts per decode step at each N, from an eager stock
     engine with forward hooks on every MoE router (same weights and prompts);
+  * where the GPU time of a step at N = 1 goes: every kernel's time per step from a
+    torch-profiler trace of PROFILE_TOKENS tokens of one request, after the timed runs;
   * the weight-read floor at each N: bytes a step must read (every non-routed
     weight, the distinct experts of every MoE layer, lm_head) plus each
     request's KDA/conv state read + write and MLA latent cache read, / 4.25 TB/s.
@@ -28,17 +30,26 @@ speedup {N}, floor_ms {N}, distinct_experts {N}, prefill_throughput_ratio;
 decode.md and decode.png (step time vs N for both paths, with the floor).
 
     python3 scripts/bench_decode.py --out-dir docs/perf        # on the H200
+
+Split over device calls (600 s each): run `--roles auto,experts` and `--roles
+latency_specialized` with the same `--scratch DIR --runs R` (and `--triton-cache DIR` so the
+prefill kernels autotune once); each role's result records the GPU, the wheel and the
+command it ran with. Copy DIR back and `--assemble --scratch DIR` writes the report on any
+host (refusing results of different GPUs or wheels).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,8 +63,18 @@ RUNS = 3
 PREFILL_REQUESTS = 16
 PREFILL_TOKENS = 1024
 EXPERT_COUNT_STEPS = 64
+# Decode steps of one request traced with the torch profiler after the timed runs
+# (GPU time per kernel name, CUDA-graph replays included): where a step's time goes.
+PROFILE_TOKENS = 64
+PROFILE_TOP_KERNELS = 25
+PROFILE_MD_ROWS = 15
+# CuTe DSL kernel symbols start with their module path; the markdown shows the rest.
+CUTE_KERNEL_NAME = re.compile(r"^kernel_cutlass_kernel_\w*?cutedsl")
+CUTE_KERNEL_ARGS = re.compile(r"_object_at_.*$")  # the mangled argument list
 BACKENDS = ("auto", "latency_specialized")
 ROLES = (*BACKENDS, "experts")
+# The benchmark's command line, handed to its workers for their host facts.
+COMMAND_ENV = "HD_BENCH_DECODE_COMMAND"
 BF16 = 2
 FP32 = 4
 
@@ -69,6 +90,27 @@ def itl_samples(chunks: list[tuple[float, int]]) -> list[float]:
     for (t_prev, _), (t, count) in zip(arrivals, arrivals[1:]):
         samples += [(t - t_prev) / count] * count
     return samples
+
+
+def kernel_table(events: list[dict], steps: int, top: int) -> dict:
+    """GPU kernel time per step from torch-profiler trace events: the ``top`` kernel
+    names by time (us and launches per step) and the total of all kernels."""
+    totals: dict[str, list[float]] = {}
+    for event in events:
+        if event.get("cat") == "kernel":
+            entry = totals.setdefault(event["name"], [0.0, 0])
+            entry[0] += event["dur"]
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+    return {
+        "steps": steps,
+        "gpu_us_per_step": sum(us for us, _ in totals.values()) / steps,
+        "launches_per_step": sum(n for _, n in totals.values()) / steps,
+        "kernels": [
+            {"name": name, "us_per_step": us / steps, "launches_per_step": n / steps}
+            for name, (us, n) in ranked[:top]
+        ],
+    }
 
 
 def weight_bytes(config: dict, distinct_experts: float) -> dict[str, float]:
@@ -186,7 +228,36 @@ def write_markdown(data: dict, path: Path) -> None:
         f"Prefill throughput, specialized / stock: {s['prefill_throughput_ratio']:.3f}.",
         "",
     ]
+    for backend, table in (data.get("profile_n1") or {}).items():
+        lines += _profile_lines(backend, table)
     path.write_text("\n".join(lines))
+
+
+def _profile_lines(backend: str, table: dict | None) -> list[str]:
+    if not table:
+        return []
+    title = f"## GPU kernels per step at N = 1, `{backend}` (torch profiler)"
+    if "error" in table:
+        return [title, "", f"Not traced: {table['error']}", ""]
+    lines = [
+        title,
+        "",
+        f"{table['steps']} steps of one request (its prefill is one of them): "
+        f"{table['gpu_us_per_step']:.0f} us of kernel time and "
+        f"{table['launches_per_step']:.0f} kernel launches per step. A kernel launched "
+        "with programmatic dependent launch starts while its predecessor runs and waits "
+        "for it, so those spans overlap: their sum exceeds the step.",
+        "",
+        "| kernel | us / step | launches / step |",
+        "|---|---|---|",
+    ]
+    for row in table["kernels"][:PROFILE_MD_ROWS]:
+        name = CUTE_KERNEL_NAME.sub("cutedsl/", row["name"])
+        name = CUTE_KERNEL_ARGS.sub("", name).replace("|", "\\|")
+        if len(name) > 90:
+            name = name[:87] + "..."
+        lines.append(f"| `{name}` | {row['us_per_step']:.1f} | {row['launches_per_step']:.1f} |")
+    return [*lines, ""]
 
 
 def write_plot(data: dict, path: Path) -> bool:
@@ -241,10 +312,22 @@ def run_backend(model_dir: Path, backend: str, ns: list[int], runs: int) -> dict
     import asyncio
     import time
 
+    from vllm.config import ProfilerConfig
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(_engine_args(model_dir, backend, max(ns)))
+    trace_dir = Path(tempfile.mkdtemp(prefix=f"hd-trace-{backend}-"))
+    # Inert until start_profile (the worker builds its profiler then).
+    profiler = ProfilerConfig(
+        profiler="torch",
+        torch_profiler_dir=str(trace_dir),
+        torch_profiler_with_stack=False,
+        torch_profiler_dump_cuda_time_total=False,
+        ignore_frontend=True,
+    )
+    engine = AsyncLLM.from_engine_args(
+        _engine_args(model_dir, backend, max(ns), profiler_config=profiler)
+    )
 
     async def request(rid: str, prompt: dict, max_tokens: int) -> list:
         params = SamplingParams(
@@ -280,12 +363,37 @@ def run_backend(model_dir: Path, backend: str, ns: list[int], runs: int) -> dict
         await batch("prefill", PREFILL_REQUESTS, PREFILL_TOKENS, 1)
         seconds = time.perf_counter() - start
         result["prefill_tokens_per_s"] = PREFILL_REQUESTS * PREFILL_TOKENS / seconds
+        # Kept apart from the timed numbers: a failed trace is reported, not fatal.
+        try:
+            await engine.start_profile()
+            await batch("profile", 1, PROMPT_TOKENS, PROFILE_TOKENS)
+            await engine.stop_profile()
+            result["profile_n1"] = read_trace(trace_dir, PROFILE_TOKENS)
+        except Exception as exc:  # noqa: BLE001
+            result["profile_n1"] = {"error": f"{type(exc).__name__}: {exc}"}
         return result
 
     try:
         return asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def read_trace(trace_dir: Path, tokens: int) -> dict:
+    """Kernel table of the worker's torch-profiler trace of one request of
+    ``tokens`` tokens (its prefill counted as one of the steps)."""
+    import gzip
+    import time
+
+    deadline = time.monotonic() + 120
+    while not (traces := sorted(trace_dir.glob("*.pt.trace.json*"))):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no torch-profiler trace in {trace_dir}")
+        time.sleep(1)
+    opener = gzip.open if traces[-1].suffix == ".gz" else open
+    with opener(traces[-1], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return kernel_table(events, tokens, PROFILE_TOP_KERNELS)
 
 
 def count_experts(model_dir: Path, ns: list[int]) -> dict[int, float]:
@@ -368,14 +476,43 @@ def run_roles(
     return got
 
 
+def host_facts(command: str) -> dict[str, str]:
+    """Where and with what a role ran: the report is assembled from these, on any host."""
+    import torch
+
+    import vllm
+    from vllm import _hopper_decode_build as build
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "vllm": vllm.__version__,
+        "fingerprint": build.FINGERPRINT,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": command,
+    }
+
+
 def _worker(args) -> int:
     ns = [int(n) for n in args.n.split(",")]
     if args.worker == "experts":
-        out = {str(k): v for k, v in count_experts(args.model_dir, ns).items()}
+        out = {"distinct": {str(k): v for k, v in count_experts(args.model_dir, ns).items()}}
     else:
         out = run_backend(args.model_dir, args.worker, ns, args.runs)
+    out["host"] = host_facts(os.environ.get(COMMAND_ENV, ""))
     Path(args.result).write_text(json.dumps(out))
     return 0
+
+
+def worker_env(env, triton_cache: Path | None) -> dict[str, str]:
+    """Environment of a worker. With ``triton_cache`` every engine shares one Triton
+    cache, so the KDA prefill kernels are autotuned once per host instead of once per
+    engine (~80 s each): vLLM points TRITON_CACHE_DIR at a folder named after the
+    engine's compile hash unless its compile cache is off, and on a fresh host
+    every engine compiles cold anyway."""
+    env = dict(env)
+    if triton_cache is not None:
+        env.update(VLLM_DISABLE_COMPILE_CACHE="1", TRITON_CACHE_DIR=str(triton_cache))
+    return env
 
 
 def _spawn(args, role: str, result: Path) -> None:
@@ -383,7 +520,9 @@ def _spawn(args, role: str, result: Path) -> None:
         sys.executable, __file__, "--worker", role, "--result", str(result),
         "--model-dir", str(args.model_dir), "--n", args.n, "--runs", str(args.runs),
     ]  # fmt: skip
-    done = subprocess.run(cmd)
+    env = worker_env(os.environ, args.triton_cache)
+    env[COMMAND_ENV] = "python3 " + " ".join(sys.argv)
+    done = subprocess.run(cmd, env=env)
     if done.returncode != 0:
         raise SystemExit(
             f"error: the {role} run failed (exit {done.returncode}); see its output above. "
@@ -410,9 +549,32 @@ def main() -> int:
     ap.add_argument(
         "--scratch", type=Path, help="per-role results (default <out-dir>/.bench_decode)"
     )
+    ap.add_argument(
+        "--triton-cache",
+        type=Path,
+        help="one Triton cache for every engine (autotune once); turns vLLM's "
+        "compile cache off, which costs nothing on a fresh host",
+    )
+    ap.add_argument(
+        "--assemble",
+        action="store_true",
+        help="only write the report from the role results in --scratch (any host, e.g. "
+        "after copying them back from the GPU host)",
+    )
     args = ap.parse_args()
     if args.worker:
         return _worker(args)
+    if args.assemble:
+        scratch = args.scratch or args.out_dir / ".bench_decode"
+        try:
+            got = run_roles([], scratch, lambda role, path: None)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if got is None:
+            return 2
+        config = json.loads((args.model_dir / "config.json").read_text())
+        return _write_report(args, config, got, scratch)
     if args.render_only:
         data = json.loads((args.out_dir / "decode.json").read_text())
         write_markdown(data, args.out_dir / "decode.md")
@@ -424,11 +586,10 @@ def main() -> int:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("error: needs an SM90 GPU (H200)", file=sys.stderr)
         return 2
-    try:
-        import vllm
-        from vllm import _hopper_decode_build as build
-    except ImportError as exc:
-        print(f"error: needs the patched vLLM wheel (make build-wheel): {exc}", file=sys.stderr)
+    if importlib.util.find_spec("vllm") is None or (
+        importlib.util.find_spec("vllm._hopper_decode_build") is None
+    ):
+        print("error: needs the patched vLLM wheel (make build-wheel)", file=sys.stderr)
         return 2
     config = json.loads((args.model_dir / "config.json").read_text())
     scratch = args.scratch or args.out_dir / ".bench_decode"
@@ -439,12 +600,28 @@ def main() -> int:
         return 2
     if got is None:
         return 0
-    results = {b: got[b] for b in BACKENDS}
-    experts = {int(k): v for k, v in got["experts"].items()}
+    return _write_report(args, config, got, scratch)
+
+
+def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
+    """decode.json from every role's result. The roles may have run in separate calls, even
+    on separate hosts of the same kind: refuses results of different GPUs or builds."""
+    hosts = {role: got[role].get("host") for role in ROLES}
+    missing = sorted(role for role, host in hosts.items() if not host)
+    if missing:
+        raise ValueError(f"no host facts in the results of {missing}; run them again")
+    for key in ("gpu", "vllm", "fingerprint"):
+        values = {host[key] for host in hosts.values()}
+        if len(values) != 1:
+            raise ValueError(f"the roles ran with different {key}: {sorted(values)}")
+    results = {b: {k: v for k, v in got[b].items() if k != "host"} for b in BACKENDS}
+    experts = {int(k): v for k, v in got["experts"]["distinct"].items()}
     runs = results[BACKENDS[0]]["runs"]
-    data = {
+    first = hosts[BACKENDS[0]]
+    return {
         "summary": summarize(config, results, experts),
         "runs": results,
+        "profile_n1": {b: results[b].pop("profile_n1", None) for b in BACKENDS},
         "method": (
             f"median inter-token latency (prefill excluded) of N requests in flight, "
             f"{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, ignore_eos, "
@@ -453,13 +630,23 @@ def main() -> int:
             "experts measured on an eager stock engine) + per-request KDA/conv state "
             "read+write + MLA latent cache read, / 4.25 TB/s"
         ),
-        "model_dir": str(args.model_dir),
-        "fingerprint": build.FINGERPRINT,
-        "vllm": vllm.__version__,
-        "gpu": torch.cuda.get_device_name(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "python3 " + " ".join(sys.argv),
+        "model_dir": model_dir,
+        "fingerprint": first["fingerprint"],
+        "vllm": first["vllm"],
+        "gpu": first["gpu"],
+        "date": max(host["date"] for host in hosts.values()),
+        "command": " ; ".join(dict.fromkeys(host["command"] for host in hosts.values())),
     }
+
+
+def _write_report(args, config: dict, got: dict[str, dict], scratch: Path) -> int:
+    try:
+        model_dir = args.model_dir.resolve()
+        shown = model_dir.relative_to(ROOT) if model_dir.is_relative_to(ROOT) else model_dir
+        data = assemble(config, got, str(shown))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "decode.json").write_text(json.dumps(data, indent=2) + "\n")
     write_markdown(data, args.out_dir / "decode.md")

@@ -96,7 +96,10 @@ def test_markdown_has_one_row_per_n(tmp_path):
 def _fake_spawn(calls: list[str], runs: int = 1):
     def spawn(role: str, path: Path) -> None:
         calls.append(role)
-        result = {"0": 8.0} if role == "experts" else {"step_ms": {"1": 1.0}, "runs": runs}
+        if role == "experts":
+            result = {"distinct": {"0": 8.0}}
+        else:
+            result = {"step_ms": {"1": 1.0}, "runs": runs}
         path.write_text(json.dumps(result))
 
     return spawn
@@ -108,7 +111,7 @@ def test_run_roles_splits_a_benchmark_over_calls(tmp_path, capsys):
     assert "latency_specialized" in capsys.readouterr().out
     got = bench.run_roles(["latency_specialized"], tmp_path, _fake_spawn(calls))
     assert calls == ["auto", "experts", "latency_specialized"]
-    assert set(got) == set(bench.ROLES) and got["experts"] == {"0": 8.0}
+    assert set(got) == set(bench.ROLES) and got["experts"] == {"distinct": {"0": 8.0}}
 
 
 def test_run_roles_refuses_unknown_roles_before_running(tmp_path):
@@ -123,3 +126,93 @@ def test_run_roles_refuses_backends_of_different_run_counts(tmp_path):
     bench.run_roles(["auto", "experts"], tmp_path, _fake_spawn(calls, runs=3))
     with pytest.raises(ValueError, match="different --runs"):
         bench.run_roles(["latency_specialized"], tmp_path, _fake_spawn(calls, runs=1))
+
+
+def test_kernel_table_sums_gpu_kernels_per_step_and_ranks_them():
+    events = [
+        {"cat": "kernel", "name": "moe", "dur": 40.0},
+        {"cat": "kernel", "name": "gemm", "dur": 10.0},
+        {"cat": "kernel", "name": "moe", "dur": 40.0},
+        {"cat": "cpu_op", "name": "aten::mm", "dur": 500.0},  # host time: not a kernel
+        {"cat": "kernel", "name": "gemm", "dur": 14.0},
+    ]
+    table = bench.kernel_table(events, steps=2, top=1)
+    assert table["gpu_us_per_step"] == pytest.approx(52.0)
+    assert table["launches_per_step"] == pytest.approx(2.0)
+    assert table["kernels"] == [{"name": "moe", "us_per_step": 40.0, "launches_per_step": 1.0}]
+
+
+def test_markdown_lists_the_profile_or_why_it_is_missing(tmp_path):
+    data = {
+        "summary": bench.summarize(CONFIG, _results(), {1: 8.0, 8: 42.5}),
+        "gpu": "NVIDIA H200",
+        "date": "2026-12-01T00:00:00+00:00",
+        "vllm": "0.26.0+hd.1",
+        "command": "python3 scripts/bench_decode.py",
+        "method": "median ITL",
+        "profile_n1": {
+            "auto": bench.kernel_table([{"cat": "kernel", "name": "a|b", "dur": 9.0}], 3, 5),
+            "latency_specialized": {"error": "RuntimeError: no trace"},
+        },
+    }
+    out = tmp_path / "decode.md"
+    bench.write_markdown(data, out)
+    text = out.read_text()
+    assert "| `a\\|b` | 3.0 | 0.3 |" in text
+    assert "Not traced: RuntimeError: no trace" in text
+
+
+def test_worker_env_shares_one_triton_cache_only_when_asked(tmp_path):
+    base = {"PATH": "/usr/bin"}
+    assert bench.worker_env(base, None) == base
+    env = bench.worker_env(base, tmp_path / "triton")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    # vLLM overrides TRITON_CACHE_DIR per compile hash unless its compile cache is off.
+    assert env["VLLM_DISABLE_COMPILE_CACHE"] == "1"
+    assert base == {"PATH": "/usr/bin"}
+
+
+def _host(**changes):
+    host = {
+        "gpu": "NVIDIA H200",
+        "vllm": "0.26.0+hd.1",
+        "fingerprint": "df91",
+        "date": "2026-11-30T21:23:00+00:00",
+        "command": "python3 scripts/bench_decode.py --roles auto,experts",
+    }
+    return {**host, **changes}
+
+
+def _role_results():
+    got = {b: dict(r, runs=1, host=_host()) for b, r in _results().items()}
+    got["latency_specialized"]["host"] = _host(
+        date="2026-11-30T21:42:00+00:00", command="python3 scripts/bench_decode.py"
+    )
+    got["experts"] = {"distinct": {"1": 8.0, "8": 8.0}, "host": _host()}
+    return got
+
+
+def test_assemble_takes_the_facts_from_the_hosts_the_roles_ran_on():
+    data = bench.assemble(CONFIG, _role_results(), "tests/runtime/kimi_linear_48b")
+    assert data["gpu"] == "NVIDIA H200" and data["fingerprint"] == "df91"
+    assert data["date"] == "2026-11-30T21:42:00+00:00"  # the last role's
+    assert data["command"] == (
+        "python3 scripts/bench_decode.py --roles auto,experts ; python3 scripts/bench_decode.py"
+    )
+    assert data["summary"]["speedup"]["1"] == pytest.approx(2.0)
+    assert "host" not in data["runs"]["auto"]
+
+
+@pytest.mark.parametrize("key", ["gpu", "vllm", "fingerprint"])
+def test_assemble_refuses_roles_of_different_builds_or_gpus(key):
+    got = _role_results()
+    got["experts"]["host"] = _host(**{key: "other"})
+    with pytest.raises(ValueError, match=f"different {key}"):
+        bench.assemble(CONFIG, got, "m")
+
+
+def test_assemble_refuses_results_without_host_facts():
+    got = _role_results()
+    del got["auto"]["host"]
+    with pytest.raises(ValueError, match="no host facts in the results of \\['auto'\\]"):
+        bench.assemble(CONFIG, got, "m")
