@@ -35,9 +35,12 @@ DEFAULT_MODEL_DIR = ROOT / "tests" / "integration" / "kimi_linear_5_layers"
 SPECIALIZED = json.dumps({"decode_backend": "latency_specialized"})
 EXECUTOR_LOG_LINE = "Kimi-Linear specialized decode:"
 VLLM_CLI = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+# A fixed KV-cache size skips vLLM's start-up memory profiling, which reads the device's
+# free memory: the check may run beside other engines (the end-to-end tests' engines).
 COMMON_ARGS = [
     "--load-format", "dummy", "--skip-tokenizer-init", "--max-model-len", "2048",
-    "--gpu-memory-utilization", "0.3", "--additional-config", SPECIALIZED,
+    "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(4 << 30),
+    "--additional-config", SPECIALIZED,
 ]  # fmt: skip
 START_TIMEOUT_S = 600
 MAX_TOKENS = 32

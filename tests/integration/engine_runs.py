@@ -2,12 +2,13 @@
 what they did. The tests use it through fixtures; on the H200 it is also a command, so the
 engines can be run in separate device calls (each call has a 600 s limit) and judged after:
 
-    python3 tests/integration/engine_runs.py --dir /tmp/integ stock
-    python3 tests/integration/engine_runs.py --dir /tmp/integ specialized
+    python3 tests/integration/engine_runs.py --dir /tmp/integ stock specialized
     HD_INTEGRATION_DIR=/tmp/integ HD_INTEGRATION_REUSE=1 python3 -m pytest tests/integration
 
+Kinds named together run at the same time (each engine is small; start-up, mostly compiling,
+dominates): the specialized and auto engines wait for the stock tokens they are forced on.
 With HD_INTEGRATION_REUSE=1 a kind whose finished run is already in the folder is not run
-again (the specialized one only if it was teacher-forced on the stock run there).
+again (a forced one only if it was teacher-forced on the stock run there).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,8 @@ import scenarios as sc
 
 SESSION = Path(__file__).resolve().parent / "engine_session.py"
 ENGINE_TIMEOUT_S = 900
+# Kinds teacher-forced on the stock run's tokens (compared with it step by step).
+FORCED_ON_STOCK = ("specialized", "auto")
 
 
 @dataclass
@@ -76,13 +80,59 @@ def _read(kind: str, out: Path) -> EngineRun:
 def run_engine(
     kind: str, root: Path, forced_from: Path | None = None, reuse: bool = False
 ) -> EngineRun:
-    out = root / kind
-    if reuse:
-        done = _read(kind, out)
-        if done.ok and done.status.get("forced_from") == (forced_from and str(forced_from)):
-            return done
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "session.json").unlink(missing_ok=True)
+    return run_engines([(kind, forced_from)], root, reuse)[0]
+
+
+def run_engines(
+    kinds: list[tuple[str, Path | None]], root: Path, reuse: bool = False
+) -> list[EngineRun]:
+    """Run one engine per ``(kind, forced_from)``, all at the same time."""
+    done: dict[int, EngineRun] = {}
+    started: list[tuple[int, str, Path, subprocess.Popen, Any]] = []
+    for i, (kind, forced_from) in enumerate(kinds):
+        out = root / kind
+        if reuse:
+            finished = _read(kind, out)
+            if finished.ok and finished.status.get("forced_from") == (
+                forced_from and str(forced_from)
+            ):
+                done[i] = finished
+                continue
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "session.json").unlink(missing_ok=True)
+        for stale in out.glob("*.tokens.json"):  # a forced run must not read old tokens
+            stale.unlink()
+        command = [sys.executable, str(SESSION), "--kind", kind, "--out", str(out)]
+        if forced_from is not None:
+            command += ["--forced-from", str(forced_from)]
+        sink = (out / "engine.log").open("w")
+        process = subprocess.Popen(
+            command, cwd=SESSION.parent, env=_engine_env(root), stdout=sink,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        started.append((i, kind, out, process, sink))
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+    for i, kind, out, process, sink in started:
+        try:
+            returncode: int | None = process.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            returncode = None
+        sink.close()
+        run = _read(kind, out)
+        status = run.status
+        if returncode is None:
+            status["status"] = f"timed out after {ENGINE_TIMEOUT_S} s"
+        elif status.get("status") in (None, "starting") or (
+            returncode and status["status"] == "ok"
+        ):
+            status["status"] = f"crashed (exit code {returncode})"
+        done[i] = run
+    return [done[i] for i in range(len(kinds))]
+
+
+def _engine_env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
     # In-process engine core: start-up exceptions arrive unwrapped, collective_rpc callables
     # run on the live runner without serialization.
@@ -93,29 +143,7 @@ def run_engine(
     env["HD_TRITON_CACHE_DIR"] = str(root / "triton_cache")
     for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_BREAKABLE_CUDAGRAPH"):
         env.pop(name, None)  # the default deployment
-    command = [sys.executable, str(SESSION), "--kind", kind, "--out", str(out)]
-    if forced_from is not None:
-        command += ["--forced-from", str(forced_from)]
-    with (out / "engine.log").open("w") as sink:
-        try:
-            completed = subprocess.run(
-                command,
-                cwd=SESSION.parent,
-                env=env,
-                stdout=sink,
-                stderr=subprocess.STDOUT,
-                timeout=ENGINE_TIMEOUT_S,
-            )
-            returncode: int | None = completed.returncode
-        except subprocess.TimeoutExpired:
-            returncode = None
-    run = _read(kind, out)
-    status = run.status
-    if returncode is None:
-        status["status"] = f"timed out after {ENGINE_TIMEOUT_S} s"
-    elif status.get("status") in (None, "starting") or (returncode and status["status"] == "ok"):
-        status["status"] = f"crashed (exit code {returncode})"
-    return run
+    return env
 
 
 def main() -> int:
@@ -124,9 +152,8 @@ def main() -> int:
     parser.add_argument("kinds", nargs="+", choices=sorted(sc.ENGINE_KINDS))
     args = parser.parse_args()
     failed = 0
-    for kind in args.kinds:
-        forced_from = args.dir / "stock" if kind == "specialized" else None
-        run = run_engine(kind, args.dir, forced_from)
+    kinds = [(k, args.dir / "stock" if k in FORCED_ON_STOCK else None) for k in args.kinds]
+    for (kind, _), run in zip(kinds, run_engines(kinds, args.dir)):
         print(f"{kind}: {run.status.get('status')} {run.status.get('seconds')}", flush=True)
         if not run.ok and kind != "unsupported":
             print(run.describe_failure(), flush=True)

@@ -11,8 +11,10 @@ ValueError) and collective_rpc callables reach the live model runner without ser
 
 Writes DIR/session.json (status "ok" | "start_failed" | "run_failed", the exception chain,
 the engine description, timings) and DIR/<scenario>.pt per scenario of scenarios.SCENARIOS.
-With --forced-from, the compare scenarios force every request onto the tokens that the stock
-engine produced (STOCK_DIR/compare_b*.pt), so both engines decode the same sequences.
+With --forced-from, the compare and auto scenarios force every request onto the tokens that the
+stock engine produced (STOCK_DIR/<scenario>.tokens.json), so both engines decode the same
+sequences; the stock engine may still be running (engine_runs.py starts them at once): such a
+scenario waits for its tokens, and fails if the stock session failed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,35 @@ from pathlib import Path
 from typing import Any
 
 import scenarios as sc
+
+# How long a teacher-forced compare scenario waits for the stock engine's tokens.
+FORCED_TOKENS_WAIT_S = 900
+STOCK_FAILED = ("start_failed", "run_failed")
+
+
+def wait_for_forced_tokens(path: Path, timeout_s: float = FORCED_TOKENS_WAIT_S) -> Any:
+    """The stock run's tokens at ``path`` (STOCK_DIR/<scenario>.tokens.json), waiting while
+    the stock engine is still running; raises if it failed or never wrote them."""
+    status_file = path.parent / "session.json"
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        status = json.loads(status_file.read_text()) if status_file.exists() else {}
+        if status.get("status") in STOCK_FAILED or status.get("status") == "ok":
+            raise RuntimeError(
+                f"the stock run in {path.parent} ended ({status['status']}) without "
+                f"writing {path.name}: run the stock engine first"
+            )
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no stock tokens at {path} after {timeout_s:.0f} s")
+        time.sleep(2)
+    return json.loads(path.read_text())
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """A concurrent teacher-forced run polls for these files: never show it half of one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def exception_chain(exc: BaseException) -> list[list[str]]:
@@ -105,7 +136,7 @@ class Session:
         forced = None
         if self.forced_from is not None:
             path = self.forced_from / f"{sc.compare_scenario(batch)}.tokens.json"
-            forced = json.loads(path.read_text())
+            forced = wait_for_forced_tokens(path)
         record = self.record(requests, self.generate(requests, forced))
         # The last sampled token is never fed back: prompt + max_tokens - 1 cached tokens.
         cached = {r.tag: len(r.prompt) + r.max_tokens - 1 for r in requests}
@@ -117,7 +148,12 @@ class Session:
 
     def auto_check(self) -> dict:
         requests = sc.auto_requests()
-        return self.record(requests, self.generate(requests))
+        forced = None
+        if self.forced_from is not None:
+            forced = wait_for_forced_tokens(self.forced_from / f"{sc.AUTO_SCENARIO}.tokens.json")
+        record = self.record(requests, self.generate(requests, forced))
+        record["forced"] = forced is not None
+        return record
 
     def alone(self) -> dict:
         requests = sc.mixed_requests()
@@ -210,7 +246,7 @@ def main() -> int:
             record = session.run(scenario)
             torch.save(record, args.out / f"{scenario}.pt")
             # The tokens alone, for --forced-from (no need to load the logits).
-            (args.out / f"{scenario}.tokens.json").write_text(json.dumps(record["tokens"]))
+            write_atomically(args.out / f"{scenario}.tokens.json", json.dumps(record["tokens"]))
             status["seconds"][scenario] = round(time.perf_counter() - t0, 1)
             write_status()
     except BaseException as exc:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import engine_runs
@@ -18,18 +17,28 @@ def _finished(root: Path, kind: str, status: str = "ok", forced_from: str | None
     )
 
 
+class _CrashedEngine:
+    """Stands in for an engine subprocess: records its command, exits 1, writes nothing."""
+
+    def __init__(self, command, **kwargs):
+        assert kwargs["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        assert kwargs["env"]["HD_TRITON_CACHE_DIR"].endswith("triton_cache")
+        self.command = command
+
+    def wait(self, timeout=None):
+        return 1
+
+
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """Replace the engine subprocess: record the command, leave a crashed session."""
     commands: list[list[str]] = []
 
-    def fake_run(command, **kwargs):
+    def fake_popen(command, **kwargs):
         commands.append(command)
-        assert kwargs["env"]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-        assert kwargs["env"]["HD_TRITON_CACHE_DIR"].endswith("triton_cache")
-        return subprocess.CompletedProcess(command, 1)
+        return _CrashedEngine(command, **kwargs)
 
-    monkeypatch.setattr(engine_runs.subprocess, "run", fake_run)
+    monkeypatch.setattr(engine_runs.subprocess, "Popen", fake_popen)
     return commands
 
 
@@ -58,3 +67,30 @@ def test_a_failed_run_is_never_reused(tmp_path, launches):
     _finished(tmp_path, "stock", status="run_failed")
     engine_runs.run_engine("stock", tmp_path, reuse=True)
     assert len(launches) == 1
+
+
+def test_kinds_named_together_start_together(tmp_path, launches):
+    _finished(tmp_path, "stock")
+    (tmp_path / "stock" / "compare_b1.tokens.json").write_text("{}")  # from an older run
+    stock, special = engine_runs.run_engines(
+        [("stock", None), ("specialized", tmp_path / "stock")], tmp_path
+    )
+    assert [c[c.index("--kind") + 1] for c in launches] == ["stock", "specialized"]
+    # The forced run must wait for this run's tokens, not read the old ones.
+    assert not (tmp_path / "stock" / "compare_b1.tokens.json").exists()
+    assert stock.status["status"] == special.status["status"] == "crashed (exit code 1)"
+
+
+def test_a_forced_run_waits_for_the_stock_tokens_and_stops_if_stock_failed(tmp_path):
+    import engine_session
+
+    tokens = tmp_path / "stock" / "compare_b1.tokens.json"
+    _finished(tmp_path, "stock", status="starting")
+    with pytest.raises(RuntimeError, match="no stock tokens"):
+        engine_session.wait_for_forced_tokens(tokens, timeout_s=0)
+    _finished(tmp_path, "stock", status="start_failed")
+    with pytest.raises(RuntimeError, match="ended \\(start_failed\\)"):
+        engine_session.wait_for_forced_tokens(tokens)
+    engine_session.write_atomically(tokens, json.dumps({"r0": [1, 2]}))
+    assert engine_session.wait_for_forced_tokens(tokens) == {"r0": [1, 2]}
+    assert {p.name for p in tokens.parent.iterdir()} == {"session.json", tokens.name}

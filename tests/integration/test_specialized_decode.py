@@ -48,7 +48,7 @@ pytest.importorskip(
 )
 
 import scenarios as sc  # noqa: E402
-from engine_runs import EngineRun, run_engine  # noqa: E402
+from engine_runs import FORCED_ON_STOCK, EngineRun, run_engine, run_engines  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +63,13 @@ MIN_GREEDY_MATCH = 0.99
 # (with these weights a KDA state decays by about half per token).
 MAX_KDA_STATE_REL_ERR = 0.03
 MAX_MLA_ROW_REL_ERR = 0.05
+# The prefill is vLLM's own in every engine, but not bit for bit across engine processes:
+# 2026-11-30 on the H200 even the auto engine's prefill logits differed from stock's in a
+# few bits (Triton autotunes the KDA prefill kernels per process, and the specialized engine
+# runs stock's projections on views of its fused weights). Engines that hold different
+# weights give unrelated logits (cosine ~0), so this still proves the weights are the same.
+MIN_PREFILL_COSINE = 0.9999
+MAX_PREFILL_ROW_REL_ERR = 0.01
 
 
 # --- engine runs ---------------------------------------------------------------------------
@@ -79,19 +86,28 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stock(workdir: Path) -> EngineRun:
-    return run_engine("stock", workdir, reuse=REUSE)
+def engines(workdir: Path) -> dict[str, EngineRun]:
+    # Started together; the forced engines wait for the stock tokens they are forced on.
+    kinds = [("stock", None), *((kind, workdir / "stock") for kind in FORCED_ON_STOCK)]
+    runs = run_engines(kinds, workdir, REUSE)
+    return {kind: run for (kind, _), run in zip(kinds, runs)}
 
 
 @pytest.fixture(scope="module")
-def specialized(workdir: Path, stock: EngineRun) -> EngineRun:
-    stock.require_ok()  # its tokens drive the teacher forcing
-    return run_engine("specialized", workdir, forced_from=stock.out, reuse=REUSE)
+def stock(engines: dict[str, EngineRun]) -> EngineRun:
+    return engines["stock"]
 
 
 @pytest.fixture(scope="module")
-def auto(workdir: Path) -> EngineRun:
-    return run_engine("auto", workdir, reuse=REUSE)
+def specialized(engines: dict[str, EngineRun]) -> EngineRun:
+    engines["stock"].require_ok()  # its tokens drive the teacher forcing
+    return engines["specialized"]
+
+
+@pytest.fixture(scope="module")
+def auto(engines: dict[str, EngineRun]) -> EngineRun:
+    engines["stock"].require_ok()
+    return engines["auto"]
 
 
 @pytest.fixture(scope="module")
@@ -143,15 +159,19 @@ def test_unsupported_deployment_fails_at_engine_start(unsupported: EngineRun) ->
 
 
 def test_auto_is_the_stock_decode(auto: EngineRun, stock: EngineRun) -> None:
-    """decode_backend=auto builds no executor and decodes bit for bit as vLLM does."""
+    """decode_backend=auto builds no executor and, teacher-forced on the stock tokens,
+    decodes as vLLM does (to bf16 noise: see MIN_PREFILL_COSINE)."""
     auto.require_ok()
     stock.require_ok()
     assert auto.engine["specialized_decode"] is None, auto.engine
     assert auto.engine["specialized_decode_config"] == "None", auto.engine
     got, ref = auto.load(sc.AUTO_SCENARIO), stock.load(sc.AUTO_SCENARIO)
-    assert got["tokens"] == ref["tokens"]
-    for tag in ref["tokens"]:
-        assert torch.equal(got["logits"][tag], ref["logits"][tag]), tag
+    assert got["forced"] and got["tokens"] == ref["tokens"]
+    for tag, ref_tokens in ref["tokens"].items():
+        cosines = row_cosines(got["logits"][tag], ref["logits"][tag])
+        assert float(cosines.min()) >= MIN_LOGITS_COSINE, (tag, cosines.min())
+        matches = sum(a == b for a, b in zip(got["argmax"][tag], ref["argmax"][tag]))
+        assert matches >= MIN_GREEDY_MATCH * len(ref_tokens), (tag, matches)
 
 
 # --- specialized vs stock, 256 decode steps -----------------------------------------------
@@ -179,10 +199,12 @@ def test_logits_and_greedy_tokens_match_stock(
         assert got["tokens"][tag] == ref_tokens, f"{tag}: teacher forcing did not hold"
         assert ref["argmax"][tag] == ref_tokens, f"{tag}: stock tokens are not its argmax"
         spec_logits, stock_logits = got["logits"][tag], ref["logits"][tag]
-        # Position 0 is sampled from the prefill, which is stock in both engines: equal bits
-        # mean equal weights (the seeded init reached both engines identically).
-        assert torch.equal(spec_logits[0], stock_logits[0]), (
-            f"{tag}: prefill logits differ: the engines do not hold the same weights"
+        # Position 0 is sampled from the prefill, which is stock in both engines: equal to
+        # bf16 noise means equal weights (the seeded init reached both engines identically).
+        prefill_cosine = float(row_cosines(spec_logits[:1], stock_logits[:1])[0])
+        assert prefill_cosine >= MIN_PREFILL_COSINE, (
+            f"{tag}: prefill logits cosine {prefill_cosine:.6f}: the engines do not hold "
+            "the same weights"
         )
         changed_rows += int((spec_logits[1:] != stock_logits[1:]).any(dim=-1).sum())
         cosines = row_cosines(spec_logits, stock_logits)
@@ -216,7 +238,7 @@ def test_states_after_256_steps_match_stock(
 ) -> None:
     """After the run (same token sequences in both engines): each request's KDA conv and
     recurrent state in every KDA layer, and its MLA cache rows (prompt rows, written by the
-    stock prefill in both engines, bit for bit; decode rows within tolerance)."""
+    stock prefill in both engines, to bf16 noise; decode rows within tolerance)."""
     scenario = sc.compare_scenario(batch)
     got, ref = specialized.load(scenario), stock.load(scenario)
     failures, worst = [], {"conv": 0.0, "recurrent": 0.0, "mla": 0.0}
@@ -228,8 +250,12 @@ def test_states_after_256_steps_match_stock(
             if "mla" in state:
                 mla_layers += 1
                 assert other["mla"].shape == state["mla"].shape, (tag, layer)
-                if not torch.equal(other["mla"][:prompt_len], state["mla"][:prompt_len]):
-                    failures.append(f"{tag} {layer}: prompt rows differ from stock")
+                prompt_errs = row_rel_errs(other["mla"][:prompt_len], state["mla"][:prompt_len])
+                if float(prompt_errs.max()) > MAX_PREFILL_ROW_REL_ERR:
+                    failures.append(
+                        f"{tag} {layer}: prompt rows differ from stock by up to "
+                        f"{float(prompt_errs.max()):.4f} (> {MAX_PREFILL_ROW_REL_ERR})"
+                    )
                 errs = row_rel_errs(other["mla"][prompt_len:], state["mla"][prompt_len:])
                 worst["mla"] = max(worst["mla"], float(errs.max()))
                 bad = (errs > MAX_MLA_ROW_REL_ERR).nonzero().flatten()
