@@ -556,6 +556,12 @@ def main() -> int:
         "compile cache off, which costs nothing on a fresh host",
     )
     ap.add_argument(
+        "--correctness",
+        type=Path,
+        help="the end-to-end tests' correctness.json (HD_INTEGRATION_DIR) to record in the "
+        "report; it must be of the same wheel",
+    )
+    ap.add_argument(
         "--assemble",
         action="store_true",
         help="only write the report from the role results in --scratch (any host, e.g. "
@@ -639,11 +645,24 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
     }
 
 
+def attach_correctness(data: dict, record: dict) -> None:
+    """Put the end-to-end tests' record (tests/integration/conftest.py) into the report;
+    it must come from the wheel the benchmark measured."""
+    if record.get("fingerprint") != data["fingerprint"]:
+        raise ValueError(
+            f"the correctness record is of patch-set {record.get('fingerprint')!r}, the "
+            f"benchmark of {data['fingerprint']!r}: run the tests with the measured wheel"
+        )
+    data["correctness"] = {k: v for k, v in record.items() if k != "fingerprint"}
+
+
 def _write_report(args, config: dict, got: dict[str, dict], scratch: Path) -> int:
     try:
         model_dir = args.model_dir.resolve()
         shown = model_dir.relative_to(ROOT) if model_dir.is_relative_to(ROOT) else model_dir
         data = assemble(config, got, str(shown))
+        if args.correctness:
+            attach_correctness(data, json.loads(args.correctness.read_text()))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -94,3 +94,25 @@ def test_a_forced_run_waits_for_the_stock_tokens_and_stops_if_stock_failed(tmp_p
     engine_session.write_atomically(tokens, json.dumps({"r0": [1, 2]}))
     assert engine_session.wait_for_forced_tokens(tokens) == {"r0": [1, 2]}
     assert {p.name for p in tokens.parent.iterdir()} == {"session.json", tokens.name}
+
+
+def test_the_correctness_record_counts_outcomes_and_keeps_what_each_test_measured():
+    from conftest import correctness_record
+
+    outcomes = {
+        "test_logits_and_greedy_tokens_match_stock[1]": {
+            "outcome": "passed",
+            "measured": "b1r0: min cos 0.999912, greedy 100.00%",
+        },
+        "test_states_after_256_steps_match_stock[4]": {"outcome": "failed", "measured": ""},
+        "test_auto_is_the_stock_decode": {"outcome": "passed", "measured": ""},
+    }
+    record = correctness_record(outcomes, {"gpu": "NVIDIA H200", "fingerprint": "df91"})
+    assert record["result"] == "1 failed, 2 passed"
+    assert record["gpu"] == "NVIDIA H200" and record["fingerprint"] == "df91"
+    assert record["checks"] == [
+        "test_logits_and_greedy_tokens_match_stock[1]: passed "
+        "(b1r0: min cos 0.999912, greedy 100.00%)",
+        "test_states_after_256_steps_match_stock[4]: failed",
+        "test_auto_is_the_stock_decode: passed",
+    ]

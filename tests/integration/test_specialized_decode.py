@@ -158,7 +158,7 @@ def test_unsupported_deployment_fails_at_engine_start(unsupported: EngineRun) ->
     assert reasons == ["no FULL decode CUDA graphs (enforce_eager)"], message
 
 
-def test_auto_is_the_stock_decode(auto: EngineRun, stock: EngineRun) -> None:
+def test_auto_is_the_stock_decode(auto: EngineRun, stock: EngineRun, record_property) -> None:
     """decode_backend=auto builds no executor and, teacher-forced on the stock tokens,
     decodes as vLLM does (to bf16 noise: see MIN_PREFILL_COSINE)."""
     auto.require_ok()
@@ -167,6 +167,10 @@ def test_auto_is_the_stock_decode(auto: EngineRun, stock: EngineRun) -> None:
     assert auto.engine["specialized_decode_config"] == "None", auto.engine
     got, ref = auto.load(sc.AUTO_SCENARIO), stock.load(sc.AUTO_SCENARIO)
     assert got["forced"] and got["tokens"] == ref["tokens"]
+    lowest = min(
+        float(row_cosines(got["logits"][tag], ref["logits"][tag]).min()) for tag in ref["tokens"]
+    )
+    record_property("measured", f"min logits cosine vs stock {lowest:.6f}")
     for tag, ref_tokens in ref["tokens"].items():
         cosines = row_cosines(got["logits"][tag], ref["logits"][tag])
         assert float(cosines.min()) >= MIN_LOGITS_COSINE, (tag, cosines.min())
@@ -179,7 +183,7 @@ def test_auto_is_the_stock_decode(auto: EngineRun, stock: EngineRun) -> None:
 
 @pytest.mark.parametrize("batch", sc.COMPARE_BATCHES)
 def test_logits_and_greedy_tokens_match_stock(
-    batch: int, specialized: EngineRun, stock: EngineRun
+    batch: int, specialized: EngineRun, stock: EngineRun, record_property
 ) -> None:
     """Teacher-forced on the stock tokens: logits cosine >= 0.999 at every step and the
     specialized greedy choice equal to stock's at >= 99% of the steps, per request."""
@@ -224,6 +228,7 @@ def test_logits_and_greedy_tokens_match_stock(
                 f"(< {MIN_GREEDY_MATCH:.0%}); first mismatches at {mismatched[:8]}"
             )
         summary.append(f"{tag}: min cos {float(cosines.min()):.6f}, greedy {share:.2%}")
+    record_property("measured", "; ".join(summary))
     print(f"\nbatch {batch}: " + "; ".join(summary))
     assert changed_rows > 0, (
         "no decode-step logit differs from stock in any bit: the specialized decode did not "
@@ -234,7 +239,7 @@ def test_logits_and_greedy_tokens_match_stock(
 
 @pytest.mark.parametrize("batch", sc.COMPARE_BATCHES)
 def test_states_after_256_steps_match_stock(
-    batch: int, specialized: EngineRun, stock: EngineRun
+    batch: int, specialized: EngineRun, stock: EngineRun, record_property
 ) -> None:
     """After the run (same token sequences in both engines): each request's KDA conv and
     recurrent state in every KDA layer, and its MLA cache rows (prompt rows, written by the
@@ -275,6 +280,9 @@ def test_states_after_256_steps_match_stock(
                         f"{tag} {layer}: KDA {name} state relative error {err:.4f} "
                         f"> {MAX_KDA_STATE_REL_ERR}"
                     )
+    record_property(
+        "measured", "worst relative errors " + ", ".join(f"{k} {v:.4f}" for k, v in worst.items())
+    )
     print(f"\nbatch {batch}: worst relative errors {worst}")
     num_kda = sc.NUM_LAYERS - len(sc.MLA_LAYERS)
     assert kda_layers == batch * num_kda and mla_layers == batch * len(sc.MLA_LAYERS)
@@ -326,7 +334,9 @@ def test_mixed_traffic_tokens_equal_each_request_alone(
     assert not failures, "\n".join(failures)
 
 
-def test_mixed_traffic_covers_joins_chunks_padding_and_slot_reuse(specialized: EngineRun) -> None:
+def test_mixed_traffic_covers_joins_chunks_padding_and_slot_reuse(
+    specialized: EngineRun, record_property
+) -> None:
     """The traffic did what the equality test relies on (see scenarios._MIXED_PLAN)."""
     mixed = specialized.load(sc.MIXED_SCENARIO)
     engine = specialized.engine
@@ -347,4 +357,9 @@ def test_mixed_traffic_covers_joins_chunks_padding_and_slot_reuse(specialized: E
         by_slot.setdefault(mixed["block_ids"][tag][mamba[0]][0], []).append(tag)
     reused = {slot: tags for slot, tags in by_slot.items() if len(tags) > 1}
     assert reused, f"no KDA state slot was taken by a second request: {by_slot}"
+    record_property(
+        "measured",
+        f"{len(joins)} joining steps, {len(chunked)} chunked prefills, padded graph rows at "
+        f"batch {sorted(padded)}, {len(reused)} KDA slots reused",
+    )
     print(f"\njoins {len(joins)}, chunked {chunked}, padded {sorted(padded)}, reused {reused}")

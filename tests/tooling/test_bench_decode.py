@@ -216,3 +216,12 @@ def test_assemble_refuses_results_without_host_facts():
     del got["auto"]["host"]
     with pytest.raises(ValueError, match="no host facts in the results of \\['auto'\\]"):
         bench.assemble(CONFIG, got, "m")
+
+
+def test_correctness_record_goes_into_the_report_only_for_the_measured_wheel():
+    data = bench.assemble(CONFIG, _role_results(), "m")
+    record = {"fingerprint": "df91", "result": "10 passed", "checks": ["a: passed"]}
+    bench.attach_correctness(data, record)
+    assert data["correctness"] == {"result": "10 passed", "checks": ["a: passed"]}
+    with pytest.raises(ValueError, match="run the tests with the measured wheel"):
+        bench.attach_correctness(data, dict(record, fingerprint="0ld"))
