@@ -13,7 +13,9 @@ On the H200 with the patched wheel installed:
    max_tokens tokens, and that the server log shows the executor was built.
 2. `vllm bench latency` with the same flag (4-token prompts, batch 1 and 4), its JSON kept.
 
-Writes <out-dir>/serve_check.json; exits non-zero on the first failed check. The model is the
+Writes <out-dir>/serve_check.json; exits non-zero on the first failed check. On the GPU host
+the serving packages come separately (`python3 ci/gpu/serve_wheels.py`, then carry
+.gpu-bundle/serve and run its install.sh). The model is the
 5-layer Kimi-Linear of the end-to-end tests by default (fast to start); --model-dir takes
 the 48B config.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
@@ -42,6 +45,14 @@ COMMON_ARGS = [
     "--gpu-memory-utilization", "0.3", "--kv-cache-memory-bytes", str(4 << 30),
     "--additional-config", SPECIALIZED,
 ]  # fmt: skip
+# What vLLM 0.26.0's CLI and OpenAI server import beyond the engine (ci/gpu/serve_wheels.py).
+SERVE_MODULES = (
+    "uvicorn",
+    "watchfiles",
+    "model_hosting_container_standards",
+    "jmespath",
+    "prometheus_fastapi_instrumentator",
+)
 START_TIMEOUT_S = 600
 MAX_TOKENS = 32
 
@@ -74,6 +85,17 @@ def _wait_healthy(port: int, server: subprocess.Popen, log: Path) -> float:
 def _completion_tokens(choice: dict) -> int:
     ids = choice.get("token_ids")
     return len(ids) if ids is not None else -1
+
+
+def require_serve_modules(find_spec=importlib.util.find_spec) -> None:
+    """Fail before starting anything when the host lacks what vLLM's CLI imports for
+    `serve` and `bench` (the GPU host's bundle does not carry it)."""
+    missing = [name for name in SERVE_MODULES if find_spec(name) is None]
+    if missing:
+        raise CheckFailed(
+            f"this Python cannot import {missing}, which `vllm serve` needs: stage them with "
+            "`python3 ci/gpu/serve_wheels.py` and run .gpu-bundle/serve/install.sh on the host"
+        )
 
 
 def check_serve(model_dir: Path, out_dir: Path, port: int) -> dict:
@@ -143,6 +165,7 @@ def main() -> int:
     }
     status = 0
     try:
+        require_serve_modules()
         report["serve"] = check_serve(args.model_dir, args.out_dir, args.port)
         report["bench_latency"] = check_bench_latency(args.model_dir, args.out_dir)
     except (CheckFailed, OSError, KeyError) as exc:

@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""Stage the packages `vllm serve` / `vllm bench latency` need on the offline H200.
+
+The `vllm` profile of `../shared/gpu-bundle/build.py` carries what the engine imports,
+not the OpenAI server: on the H200 (2026-11-30) `vllm.entrypoints.cli.main` failed with
+"No module named 'uvicorn'", for every subcommand. SERVE_PINS is what the server and the
+latency benchmark import beyond that bundle and the host image (KINDS.md's package
+list), found by importing vllm.entrypoints.{serve,openai,generate,scale_out}, the
+renderers and vllm.benchmarks with only those packages on the path; versions are the
+ones vLLM 0.26.0 resolves to (the wheel venv), plus model-hosting-container-standards'
+own dependency supervisor.
+
+Usage (repository root, on a machine with pip access):
+    python3 ci/gpu/serve_wheels.py
+Output: .gpu-bundle/serve/{*.whl,install.sh} (~1 MB, git-ignored); carry that folder in
+a device call after the vllm bundle is installed, then run its install.sh.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SERVE_PINS = [
+    "uvicorn==0.54.0",
+    "watchfiles==1.3.0",
+    "model-hosting-container-standards==0.1.16",
+    "jmespath==1.1.0",
+    "prometheus-fastapi-instrumentator==8.1.0",
+    "supervisor==4.3.0",
+]
+# What the host's python3 is (KINDS.md): CPython 3.12 on x86_64 Linux.
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+INSTALL_SH = """#!/bin/sh
+# Install the staged serving packages into the host's python3 (no index, no deps).
+set -e
+here=$(cd "$(dirname "$0")" && pwd)
+python3 -m pip install -q --no-index --no-deps "$here"/*.whl
+python3 -c "import uvicorn, watchfiles, prometheus_fastapi_instrumentator"
+echo "serve deps ok"
+"""
+
+
+def main() -> int:
+    out = Path(".gpu-bundle/serve")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.whl"):
+        stale.unlink()
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+    cmd += ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
+    cmd += ["-d", str(out)]
+    for platform in PLATFORMS:
+        cmd += ["--platform", platform]
+    env = dict(os.environ, PIP_CONFIG_FILE=os.devnull)
+    if subprocess.run(cmd + SERVE_PINS, env=env).returncode != 0:
+        print("error: pip download failed; nothing staged", file=sys.stderr)
+        return 1
+    (out / "install.sh").write_text(INSTALL_SH)
+    wheels = sorted(p.name for p in out.glob("*.whl"))
+    if len(wheels) != len(SERVE_PINS):
+        print(f"error: want {len(SERVE_PINS)} wheels, got {wheels}", file=sys.stderr)
+        return 1
+    size = sum(p.stat().st_size for p in out.iterdir())
+    print(f"{out}: {len(wheels)} wheels, {size / 2**20:.1f} MiB; carry it, then "
+          f"`sh {out}/install.sh`")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
