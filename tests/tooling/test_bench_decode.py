@@ -130,16 +130,33 @@ def test_run_roles_refuses_backends_of_different_run_counts(tmp_path):
 
 def test_kernel_table_sums_gpu_kernels_per_step_and_ranks_them():
     events = [
-        {"cat": "kernel", "name": "moe", "dur": 40.0},
-        {"cat": "kernel", "name": "gemm", "dur": 10.0},
-        {"cat": "kernel", "name": "moe", "dur": 40.0},
-        {"cat": "cpu_op", "name": "aten::mm", "dur": 500.0},  # host time: not a kernel
-        {"cat": "kernel", "name": "gemm", "dur": 14.0},
+        {"cat": "kernel", "name": "moe", "ts": 0.0, "dur": 40.0},
+        {"cat": "kernel", "name": "gemm", "ts": 50.0, "dur": 10.0},
+        {"cat": "kernel", "name": "moe", "ts": 100.0, "dur": 40.0},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 500.0},  # host time
+        {"cat": "kernel", "name": "gemm", "ts": 150.0, "dur": 14.0},
     ]
     table = bench.kernel_table(events, steps=2, top=1)
     assert table["gpu_us_per_step"] == pytest.approx(52.0)
+    assert table["busy_us_per_step"] == pytest.approx(52.0)  # nothing overlaps
     assert table["launches_per_step"] == pytest.approx(2.0)
-    assert table["kernels"] == [{"name": "moe", "us_per_step": 40.0, "launches_per_step": 1.0}]
+    assert table["kernels"] == [
+        {"name": "moe", "us_per_step": 40.0, "advance_us_per_step": 40.0, "launches_per_step": 1.0}
+    ]
+
+
+def test_kernel_table_counts_an_early_launched_kernel_only_for_the_time_it_adds():
+    # PDL: "b" starts 30 us into "a" (waiting for it), ends 10 us after it.
+    events = [
+        {"cat": "kernel", "name": "a", "ts": 0.0, "dur": 40.0},
+        {"cat": "kernel", "name": "b", "ts": 30.0, "dur": 20.0},
+        {"cat": "kernel", "name": "c", "ts": 60.0, "dur": 5.0},
+    ]
+    table = bench.kernel_table(events, steps=1, top=3)
+    advance = {row["name"]: row["advance_us_per_step"] for row in table["kernels"]}
+    assert advance == {"a": 40.0, "b": 10.0, "c": 5.0}
+    assert table["gpu_us_per_step"] == pytest.approx(65.0)
+    assert table["busy_us_per_step"] == pytest.approx(55.0) == sum(advance.values())
 
 
 def test_markdown_lists_the_profile_or_why_it_is_missing(tmp_path):
@@ -151,14 +168,16 @@ def test_markdown_lists_the_profile_or_why_it_is_missing(tmp_path):
         "command": "python3 scripts/bench_decode.py",
         "method": "median ITL",
         "profile_n1": {
-            "auto": bench.kernel_table([{"cat": "kernel", "name": "a|b", "dur": 9.0}], 3, 5),
+            "auto": bench.kernel_table(
+                [{"cat": "kernel", "name": "a|b", "ts": 0.0, "dur": 9.0}], 3, 5
+            ),
             "latency_specialized": {"error": "RuntimeError: no trace"},
         },
     }
     out = tmp_path / "decode.md"
     bench.write_markdown(data, out)
     text = out.read_text()
-    assert "| `a\\|b` | 3.0 | 0.3 |" in text
+    assert "| `a\\|b` | 3.0 | 3.0 | 0.3 |" in text
     assert "Not traced: RuntimeError: no trace" in text
 
 
