@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from correctness import correctness_record
 
 RECORDED_MODULE = "test_specialized_decode.py"
 _outcomes: dict[str, dict[str, str]] = {}
@@ -31,18 +32,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             "outcome": report.outcome,
             "measured": str(measured),
         }
-
-
-def correctness_record(outcomes: dict[str, dict[str, str]], facts: dict[str, str]) -> dict:
-    counts: dict[str, int] = {}
-    for entry in outcomes.values():
-        counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
-    checks = [
-        f"{name}: {entry['outcome']}" + (f" ({entry['measured']})" if entry["measured"] else "")
-        for name, entry in outcomes.items()
-    ]
-    result = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
-    return {**facts, "result": result, "checks": checks}
 
 
 def _facts() -> dict[str, str]:

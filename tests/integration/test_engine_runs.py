@@ -97,7 +97,7 @@ def test_a_forced_run_waits_for_the_stock_tokens_and_stops_if_stock_failed(tmp_p
 
 
 def test_the_correctness_record_counts_outcomes_and_keeps_what_each_test_measured():
-    from conftest import correctness_record
+    from correctness import correctness_record
 
     outcomes = {
         "test_logits_and_greedy_tokens_match_stock[1]": {
