@@ -7,6 +7,8 @@
 #                                        # judging (~9 min); needs .gpu-bundle/serve carried
 #   sh ci/gpu/device_session.sh bench-stock        # make bench, roles auto + experts (~7 min)
 #   sh ci/gpu/device_session.sh bench-specialized  # make bench, role latency_specialized (~7 min)
+#   sh ci/gpu/device_session.sh upstream-gpu PATH...  # part of upstream's GPU allow-list
+#                                        # (ci/upstream_tests.yaml); carry build/upstream-tests
 #
 # The bench roles keep their results in /tmp/hd-bench (same host, back-to-back calls); the
 # second one writes decode.{json,md} (with the e2e correctness record when `e2e` ran on this
@@ -67,8 +69,20 @@ bench-stock)
 bench-specialized)
     bench_role latency_specialized
     ;;
+upstream-gpu)
+    shift
+    parts=""
+    for path in "$@"; do parts="$parts --only $path"; done
+    # shellcheck disable=SC2086
+    timeout 570 python3 scripts/hd.py upstream-tests --python python3 --subset gpu \
+        --extracted $parts > /tmp/hd-upstream-gpu.log 2>&1
+    echo "upstream-tests: exit $?"
+    grep -E "^upstream-tests|passed|failed" /tmp/hd-upstream-gpu.log | tail -12
+    gzip -c /tmp/hd-upstream-gpu.log > "$OUT/upstream-gpu.log.gz"
+    cp build/upstream-tests-gpu*.json "$OUT"/ 2>/dev/null
+    ;;
 *)
-    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized" >&2
+    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|upstream-gpu" >&2
     exit 2
     ;;
 esac

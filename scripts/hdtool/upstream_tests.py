@@ -31,7 +31,7 @@ import tarfile
 import tempfile
 import time
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
 from hdtool.pin import HdError, Pin, sha256_file
@@ -354,6 +354,44 @@ def _check_paths(subset: Subset, run_dir: Path, config: Path) -> None:
         )
 
 
+def restrict_to(subset: Subset, only: list[str]) -> Subset:
+    """The subset cut down to the parts of its allow-list at or under the ``only`` paths (a
+    file inside an included directory narrows it to that file), to run a long selection in
+    pieces. A path the allow-list does not cover is refused; exclusions still apply."""
+
+    def under(path: str, top: str) -> bool:
+        path = path.split("::", 1)[0]
+        return path == top or path.startswith(top.rstrip("/") + "/")
+
+    kept: list[str] = []
+    for top in only:
+        matched = [i for i in subset.include if under(i, top)]
+        if not matched and any(under(top, i) and "::" not in i for i in subset.include):
+            matched = [top]
+        if not matched:
+            raise HdError(
+                f"--only {top}: not in the {subset.name} allow-list; choose a path it includes "
+                f"(`--list` shows them): {', '.join(subset.include)}"
+            )
+        kept += [m for m in matched if m not in kept]
+    # Exclusions outside the part would be reported as matching nothing; the whole list's
+    # min_passed does not apply to a part (one passed test of it is the floor).
+    exclude = [e for e in subset.exclude if any(under(e.path, k) or under(k, e.path) for k in kept)]
+    return replace(
+        subset,
+        include=kept,
+        exclude=exclude,
+        min_passed=min(subset.min_passed, 1),
+        account_all=False,
+    )
+
+
+def part_name(only: list[str]) -> str:
+    """A file-name-safe label of a partial run (its reports must not replace the whole's)."""
+    labels = [PurePosixPath(o.split("::", 1)[0]).stem or "tests" for o in only]
+    return "+".join(labels)
+
+
 # --- running -------------------------------------------------------------------------------
 
 
@@ -432,7 +470,10 @@ def run(args: argparse.Namespace, pin: Pin) -> int:
     root = pin.root
     # Absolute (pytest runs in the run directory), but not resolved: a venv's python is a
     # symlink to the base interpreter, and resolving it would leave the venv.
-    python = os.path.abspath(args.python or (root / DEFAULT_PYTHON))
+    python = args.python or str(root / DEFAULT_PYTHON)
+    if os.sep not in python:  # a bare name ("python3" on the GPU host): look it up on PATH
+        python = shutil.which(python) or python
+    python = os.path.abspath(python)
     config = load_config(Path(args.config).resolve() if args.config else root / CONFIG, python)
     if args.subset not in config.subsets:
         raise HdError(f"{config.path}: has no {args.subset!r} subset")
@@ -448,11 +489,16 @@ def run(args: argparse.Namespace, pin: Pin) -> int:
     if (run_dir / "vllm").exists():  # extract refuses it; a belt for the braces
         raise HdError(f"{run_dir}/vllm exists: the tests would import the sdist, not the wheel")
     _check_paths(subset, run_dir, config.path)
+    if args.only:
+        subset = restrict_to(subset, args.only)
     shutil.copy2(Path(__file__).with_name("upstream_plugin.py"), run_dir / f"{PLUGIN_MODULE}.py")
 
     reports = root / "build"
-    junit = reports / f"upstream-tests-{subset.name}.junit.xml"
-    summary = reports / f"upstream-tests-{subset.name}.json"
+    stem = f"upstream-tests-{subset.name}"
+    if args.only:
+        stem += f".{part_name(args.only)}"
+    junit = reports / f"{stem}.junit.xml"
+    summary = reports / f"{stem}.json"
     raw_report = run_dir / "report.json"
     for stale in (junit, summary):
         stale.unlink(missing_ok=True)
@@ -585,6 +631,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help=f"use the tests already unpacked in {RUN_DIR} (copied to a machine without the "
         "pinned sdist, e.g. the GPU host) instead of unpacking them again",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="PATH",
+        help="run only this part of the allow-list (a listed path, or a file under a listed "
+        "directory; repeatable), e.g. to fit a GPU host's call limit; reports get the part's "
+        "name",
     )
     p.add_argument(
         "--pytest-arg",

@@ -127,6 +127,7 @@ def _args(**kw: object) -> argparse.Namespace:
         list=False,
         pytest_arg=None,
         extracted=False,
+        only=None,
     )
     return argparse.Namespace(**{**base, **kw})
 
@@ -263,3 +264,50 @@ def test_extracted_refuses_tests_of_another_sdist_or_none(pin: Pin) -> None:
     (run_dir / upstream_tests.SDIST_STAMP).write_text("0" * 64 + "\n")
     with pytest.raises(HdError, match="not the pinned"):
         upstream_tests.run(_args(python=sys.executable, extracted=True), pin)
+
+
+def test_only_runs_a_part_of_the_allow_list_with_its_own_reports(
+    pin: Pin, fake_venv: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--only: a long selection in pieces (the GPU host's calls last at most 600 s)."""
+    rc = upstream_tests.run(_args(python=str(fake_venv), only=["tests/sub/test_deep.py"]), pin)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "1 passed, 0 failed" in out
+    part = pin.root / "build" / "upstream-tests-cpu.test_deep.json"
+    assert json.loads(part.read_text())["counts"]["passed"] == 1
+    assert not (pin.root / "build" / "upstream-tests-cpu.json").exists()
+
+
+def test_only_refuses_a_path_outside_the_allow_list(pin: Pin) -> None:
+    with pytest.raises(HdError, match="--only tests/test_hub.py: not in the cpu allow-list"):
+        upstream_tests.run(_args(python=sys.executable, only=["tests/test_hub.py"]), pin)
+
+
+def test_restrict_to_keeps_listed_entries_and_narrows_directories() -> None:
+    subset = upstream_tests.Subset(
+        name="gpu",
+        include=["tests/a/test_x.py", "tests/b", "tests/c/test_y.py::test_one"],
+        exclude=[],
+        min_passed=1,
+        timeout=60,
+        session_timeout=None,
+        require_gpu=True,
+        account_all=True,
+    )
+    assert upstream_tests.restrict_to(subset, ["tests/b/test_z.py"]).include == [
+        "tests/b/test_z.py"
+    ]
+    both = upstream_tests.restrict_to(subset, ["tests/a", "tests/c/test_y.py"])
+    assert both.include == ["tests/a/test_x.py", "tests/c/test_y.py::test_one"]
+    assert not both.account_all
+    assert upstream_tests.part_name(["tests/a", "tests/c/test_y.py"]) == "a+test_y"
+
+
+def test_a_bare_interpreter_name_is_looked_up_on_path(
+    pin: Pin, fake_venv: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setenv("PATH", f"{fake_venv.parent}:/usr/bin:/bin")
+    assert upstream_tests.run(_args(python=fake_venv.name), pin) == 0
+    out = capsys.readouterr().out
+    assert f"in build/upstream-tests: CUDA_VISIBLE_DEVICES='' {fake_venv} " in out
