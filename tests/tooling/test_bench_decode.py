@@ -77,15 +77,20 @@ def test_summary_has_what_the_upstream_pr_export_reads():
     assert summary["prefill_throughput_ratio"] == pytest.approx(0.99)
 
 
-def test_markdown_has_one_row_per_n(tmp_path):
-    data = {
+def _report(**extra) -> dict:
+    return {
         "summary": bench.summarize(CONFIG, _results(), {1: 8.0, 8: 42.5}),
         "gpu": "NVIDIA H200",
         "date": "2026-12-01T00:00:00+00:00",
         "vllm": "0.26.0+hd.1",
         "command": "python3 scripts/bench_decode.py",
         "method": "median ITL",
+        **extra,
     }
+
+
+def test_markdown_has_one_row_per_n(tmp_path):
+    data = _report()
     out = tmp_path / "decode.md"
     bench.write_markdown(data, out)
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
@@ -160,20 +165,14 @@ def test_kernel_table_counts_an_early_launched_kernel_only_for_the_time_it_adds(
 
 
 def test_markdown_lists_the_profile_or_why_it_is_missing(tmp_path):
-    data = {
-        "summary": bench.summarize(CONFIG, _results(), {1: 8.0, 8: 42.5}),
-        "gpu": "NVIDIA H200",
-        "date": "2026-12-01T00:00:00+00:00",
-        "vllm": "0.26.0+hd.1",
-        "command": "python3 scripts/bench_decode.py",
-        "method": "median ITL",
-        "profile_n1": {
+    data = _report(
+        profile_n1={
             "auto": bench.kernel_table(
                 [{"cat": "kernel", "name": "a|b", "ts": 0.0, "dur": 9.0}], 3, 5
             ),
             "latency_specialized": {"error": "RuntimeError: no trace"},
         },
-    }
+    )
     out = tmp_path / "decode.md"
     bench.write_markdown(data, out)
     text = out.read_text()
