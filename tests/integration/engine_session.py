@@ -30,7 +30,7 @@ from typing import Any
 
 import scenarios as sc
 
-# How long a teacher-forced compare scenario waits for the stock engine's tokens.
+# How long a teacher-forced scenario waits for the stock engine's tokens.
 FORCED_TOKENS_WAIT_S = 900
 STOCK_FAILED = ("start_failed", "run_failed")
 
@@ -41,7 +41,10 @@ def wait_for_forced_tokens(path: Path, timeout_s: float = FORCED_TOKENS_WAIT_S) 
     status_file = path.parent / "session.json"
     deadline = time.monotonic() + timeout_s
     while not path.exists():
-        status = json.loads(status_file.read_text()) if status_file.exists() else {}
+        try:
+            status = json.loads(status_file.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):  # not written yet
+            status = {}
         if status.get("status") in STOCK_FAILED or status.get("status") == "ok":
             raise RuntimeError(
                 f"the stock run in {path.parent} ended ({status['status']}) without "
@@ -54,7 +57,8 @@ def wait_for_forced_tokens(path: Path, timeout_s: float = FORCED_TOKENS_WAIT_S) 
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """A concurrent teacher-forced run polls for these files: never show it half of one."""
+    """A concurrent teacher-forced run polls the stock run's files: never show it half
+    of one."""
     partial = path.with_name(path.name + ".partial")
     partial.write_text(text)
     partial.replace(path)
@@ -213,7 +217,7 @@ def main() -> int:
     }
 
     def write_status() -> None:
-        (args.out / "session.json").write_text(json.dumps(status, indent=2))
+        write_atomically(args.out / "session.json", json.dumps(status, indent=2))
 
     write_status()
     started = time.perf_counter()
