@@ -46,6 +46,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -337,7 +338,8 @@ def _prompt(i: int, length: int) -> dict:
 
 
 def run_backend(model_dir: Path, backend: str, ns: list[int], runs: int) -> dict:
-    """One engine with ``backend``: step times per N and prefill throughput."""
+    """One engine with ``backend``: step times per N, prefill throughput and the kernel
+    profile of a step at N = 1."""
     import asyncio
     import time
 
@@ -411,6 +413,7 @@ def run_backend(model_dir: Path, backend: str, ns: list[int], runs: int) -> dict
         return asyncio.run(main())
     finally:
         engine.shutdown()
+        shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 def read_trace(trace_dir: Path, tokens: int) -> dict:
