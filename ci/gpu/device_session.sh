@@ -59,7 +59,7 @@ e2e)
         [ -f "$d/engine.log" ] && grep -v "Autotuning kernel" "$d/engine.log" \
             | tail -c 300000 > "$d/engine.filtered.log"
     done
-    cp "$E2E/correctness.json" "$OUT"/ 2>/dev/null
+    cp "$E2E/correctness.json" /tmp/hd-serve/serve_check.json "$OUT"/ 2>/dev/null
     tar czf "$OUT/e2e.tgz" "$E2E"/*/session.json "$E2E"/*/engine.filtered.log \
         "$E2E"/runs.out "$E2E"/pytest.log /tmp/hd-serve 2>/dev/null
     ;;

@@ -14,7 +14,7 @@ Same weights in every engine: load format hd_seeded_normal (kimi_decode_hooks.py
 loader, then each parameter drawn from N(0, 0.02) with a generator seeded by its name, before
 process_weights_after_loading. Assumption: the specialized executor is built from the loaded
 parameters in process_weights_after_loading (docs/design/runtime.md), so it sees these
-weights; the prefill logits (stock path in both engines) being bit-identical checks it.
+weights; the prefill logits (stock path in both engines) matching to bf16 noise checks it.
 
 Per-step logits come from a V1 custom logits processor (kimi_decode_hooks.StepRecorder): the
 sampler's raw logits, one row per request and output position; KDA states and MLA cache rows
@@ -49,6 +49,13 @@ pytest.importorskip(
 
 import scenarios as sc  # noqa: E402
 from engine_runs import FORCED_ON_STOCK, EngineRun, run_engine, run_engines  # noqa: E402
+from measures import (  # noqa: E402
+    NEAR_TIE_SIGMAS,
+    greedy_agreement,
+    rel_err,
+    row_cosines,
+    row_rel_errs,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -118,21 +125,6 @@ def unsupported(workdir: Path) -> EngineRun:
 # --- measures -----------------------------------------------------------------------------
 
 
-def row_cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    a, b = a.float(), b.float()
-    return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-30)
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.float(), ref.float()
-    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def row_rel_errs(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    got, ref = got.float(), ref.float()
-    return (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
-
-
 def decode_steps_of_size(steps: list[list[tuple[str, int]]], size: int) -> int:
     return sum(1 for s in steps if len(s) == size and all(k >= 1 for _, k in s))
 
@@ -174,8 +166,9 @@ def test_auto_is_the_stock_decode(auto: EngineRun, stock: EngineRun, record_prop
     for tag, ref_tokens in ref["tokens"].items():
         cosines = row_cosines(got["logits"][tag], ref["logits"][tag])
         assert float(cosines.min()) >= MIN_LOGITS_COSINE, (tag, cosines.min())
-        matches = sum(a == b for a, b in zip(got["argmax"][tag], ref["argmax"][tag]))
-        assert matches >= MIN_GREEDY_MATCH * len(ref_tokens), (tag, matches)
+        share, differing = greedy_agreement(got["argmax"][tag], ref["logits"][tag], ref_tokens)
+        print(f"\nauto {tag}: greedy differs from stock at {differing or 'no step'}")
+        assert share >= MIN_GREEDY_MATCH, (tag, share, differing)
 
 
 # --- specialized vs stock, 256 decode steps -----------------------------------------------
@@ -186,7 +179,8 @@ def test_logits_and_greedy_tokens_match_stock(
     batch: int, specialized: EngineRun, stock: EngineRun, record_property
 ) -> None:
     """Teacher-forced on the stock tokens: logits cosine >= 0.999 at every step and the
-    specialized greedy choice equal to stock's at >= 99% of the steps, per request."""
+    specialized greedy choice equal to stock's (or tied with it in stock's logits, see
+    NEAR_TIE_SIGMAS) at >= 99% of the steps, per request."""
     specialized.require_ok()
     engine = specialized.engine
     assert engine["specialized_decode_config"] != "None", engine
@@ -218,16 +212,18 @@ def test_logits_and_greedy_tokens_match_stock(
                 f"{tag}: cosine < {MIN_LOGITS_COSINE} at {len(low)} steps, first "
                 f"{low[:5]} ({[round(float(cosines[i]), 5) for i in low[:5]]})"
             )
-        matches = sum(a == b for a, b in zip(got["argmax"][tag], ref_tokens))
-        share = matches / len(ref_tokens)
+        share, differing = greedy_agreement(got["argmax"][tag], stock_logits, ref_tokens)
         if share < MIN_GREEDY_MATCH:
-            pairs = enumerate(zip(got["argmax"][tag], ref_tokens))
-            mismatched = [i for i, (a, b) in pairs if a != b]
             failures.append(
-                f"{tag}: greedy tokens equal at {matches}/{len(ref_tokens)} steps "
-                f"(< {MIN_GREEDY_MATCH:.0%}); first mismatches at {mismatched[:8]}"
+                f"{tag}: greedy tokens equal (or tied within {NEAR_TIE_SIGMAS} sigma) at "
+                f"{share:.2%} of the steps (< {MIN_GREEDY_MATCH:.0%}); differing: {differing}"
             )
-        summary.append(f"{tag}: min cos {float(cosines.min()):.6f}, greedy {share:.2%}")
+        identical = 1 - len(differing) / len(ref_tokens)
+        summary.append(
+            f"{tag}: min cos {float(cosines.min()):.6f}, greedy identical {identical:.2%}, "
+            f"equal or tied {share:.2%}"
+        )
+        print(f"\n{tag}: greedy differs from stock at {differing or 'no step'}")
     record_property("measured", "; ".join(summary))
     print(f"\nbatch {batch}: " + "; ".join(summary))
     assert changed_rows > 0, (
