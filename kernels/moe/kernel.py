@@ -4,11 +4,12 @@
 
 Four launches per layer, chained with programmatic dependent launch (PDL):
 
-1. ``MoeRouterKernel``: router logits ``x @ W_gate^T`` (split over K across
-   CTAs; the last CTA of each 16-expert tile reduces and rounds the logits to
-   bf16 as the stock bf16 gate GEMM does), then the last tile of the grid
-   (atomic ticket) runs sigmoid + score-correction bias, top-k (ties to the
-   lower expert id), renormalisation and scaling for every token, and writes a
+1. ``MoeRouterKernel``: router logits ``x @ W_gate^T`` (one CTA per 16-expert
+   tile, its weight loaded before ``griddepcontrol.wait``; K is split over
+   CTAs only for long K, and then the last CTA of the tile reduces), rounded
+   to bf16 as the stock bf16 gate GEMM does; the last tile of the grid (atomic
+   ticket) runs sigmoid + score-correction bias, top-k (ties to the lower
+   expert id), renormalisation and scaling for every token, and writes a
    routing table: the distinct experts in ascending id ("slots"), each with its
    tokens, and for every (token, choice) the row its expert output will land in.
 2. ``MoeExpertKernel("gate_up")``: for every slot (and the shared expert as
@@ -32,6 +33,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass._mlir.dialects import llvm
 
 from ..common.skinny_mma import (
     CHUNK,
@@ -48,8 +50,8 @@ from ..common.skinny_mma import (
 
 STAGE_GATE_UP = "gate_up"
 STAGE_DOWN = "down"
-# Scores are sigmoids (0..1) plus a bias of O(1): this is below any of them.
-NEG_HUGE = -3.0e38
+# Key of an expert already taken by top-k: below the key of any number.
+REMOVED_KEY = -(2**31)
 # The renormalisation divides by (sum + this), as vLLM's grouped top-k does.
 RENORM_EPS = 1e-20
 # K-steps of weight loads in flight per warp before their MMAs, by MMA width:
@@ -58,6 +60,18 @@ UNROLL_BY_HALVES = {1: 8, 2: 6}
 # The combine kernel loads each token's expert rows in 16-byte halves of a
 # CHUNK of FP32 values.
 Y_HALF = CHUNK // 2
+
+
+def _ordered_key(value: Float32) -> Int32:
+    """An Int32 whose signed order is ``value``'s order as a float (not NaN).
+
+    Non-negative floats already order as their bit patterns; negative ones
+    order reversed, so their magnitude bits are flipped.  -0.0 maps to the key
+    of +0.0 so that the two compare equal, as floats do.
+    """
+    bits = Int32(llvm.bitcast(Int32.mlir_type, value.ir_value()))
+    key = _pick(bits < 0, bits ^ Int32(0x7FFFFFFF), bits)
+    return _pick(key == -1, Int32(0), key)
 
 
 def _pick(cond, if_true, if_false):
@@ -207,9 +221,12 @@ class MoeRouterKernel:
             Float32, cute.make_layout((self.warps, WARP_THREADS, vals)), 16
         )
         flag = smem.allocate_tensor(Int32, cute.make_layout((WARP_THREADS,)), 4)
-        # Routing scratch: chosen[e, t] = 1 when token t picked expert e;
-        # choice[t, k] its k-th expert; per-expert token mask and first row.
-        chosen = smem.allocate_tensor(Int32, cute.make_layout((e, MAX_TOKENS)), 16)
+        # Routing scratch: scores[t, e] (sigmoid, unbiased) for the weights;
+        # choice[t, k] the k-th expert of token t; per-expert token mask (bit
+        # t set when token t picked it) and first expert-output row.
+        scores = smem.allocate_tensor(
+            Float32, cute.make_layout((MAX_TOKENS, e), stride=(e, 1)), 16
+        )
         choice = smem.allocate_tensor(
             Int32,
             cute.make_layout((MAX_TOKENS, self.top_k), stride=(self.top_k, 1)),
@@ -253,7 +270,7 @@ class MoeRouterKernel:
         if flag[0] == 1:
             self._route(
                 tidx, warp, lane, m, bias_ptr, logits_ptr, counter_ptr, table_ptr,
-                weight_ptr, chosen, choice, expert_mask, expert_row0, warp_totals,
+                weight_ptr, scores, choice, expert_mask, expert_row0, warp_totals,
             )  # fmt: skip
 
     @cute.jit
@@ -340,65 +357,63 @@ class MoeRouterKernel:
     @cute.jit
     def _route(
         self, tidx, warp, lane, m, bias_ptr, logits_ptr, counter_ptr, table_ptr,
-        weight_ptr, chosen, choice, expert_mask, expert_row0, warp_totals,
+        weight_ptr, scores, choice, expert_mask, expert_row0, warp_totals,
     ):  # fmt: skip
         """Top-k per token (one warp per token) and the routing table."""
         e, top_k, tab = self.num_experts, self.top_k, self.table
         per_lane = e // WARP_THREADS
         per_thread = e // self.threads
         cute.arch.fence_acq_rel_gpu()
-        logits = cute.make_tensor(
-            logits_ptr, cute.make_layout((MAX_TOKENS, e), stride=(e, 1))
-        )
-        bias = cute.make_tensor(bias_ptr, cute.make_layout((e,)))
         table = cute.make_tensor(table_ptr, cute.make_layout((tab.size,)))
         weights = cute.make_tensor(
             weight_ptr, cute.make_layout((MAX_TOKENS, top_k), stride=(top_k, 1))
         )
-        for i in cutlass.range_constexpr(ceil_div(e * MAX_TOKENS, self.threads)):
-            idx = tidx + i * self.threads
-            if idx < e * MAX_TOKENS:
-                chosen[idx // MAX_TOKENS, idx % MAX_TOKENS] = Int32(0)
+        for i in cutlass.range_constexpr(per_thread):
+            expert_mask[tidx * per_thread + i] = Int32(0)
         cute.arch.sync_threads()
 
-        # ---- top-k: lane l holds experts l, l + 32, ...
+        # ---- top-k, one warp per token: lane l holds experts l*P .. l*P+P-1
+        # (P = E / 32), loaded as whole 16-byte vectors before any is used.
+        # Each round takes the warp's largest candidate with two redux.sync
+        # (max of the order-preserving integer key, then the lowest expert id
+        # holding it, so ties go to the lower expert id) instead of a shuffle
+        # tree carrying value, score and id.
+        lane_logits = cute.make_tensor(
+            logits_ptr,
+            cute.make_layout(
+                (MAX_TOKENS, WARP_THREADS, per_lane), stride=(e, per_lane, 1)
+            ),
+        )
+        lane_bias = cute.make_tensor(
+            bias_ptr, cute.make_layout((WARP_THREADS, per_lane), stride=(per_lane, 1))
+        )
+        first_id = lane * per_lane
+        my_bias = cute.make_rmem_tensor((per_lane,), Float32)
+        cute.autovec_copy(lane_bias[lane, None], my_bias)
         for t in cutlass.range(warp, m, self.warps):
-            cand = cute.make_rmem_tensor((per_lane,), Float32)
-            score = cute.make_rmem_tensor((per_lane,), Float32)
+            my_logits = cute.make_rmem_tensor((per_lane,), Float32)
+            cute.autovec_copy(lane_logits[t, lane, None], my_logits)
+            keys = cute.make_rmem_tensor((per_lane,), Int32)
             for j in cutlass.range_constexpr(per_lane):
-                ex = lane + WARP_THREADS * j
-                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logits[t, ex]))
-                score[j] = s
-                cand[j] = s + bias[ex]
-            # Argmax rounds with selects rather than branches: every lane runs
-            # the same instructions and keeps (value, score, id) together.
+                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-my_logits[j]))
+                scores[t, first_id + j] = s
+                keys[j] = _ordered_key(s + my_bias[j])
             mine_id = Int32(0)
-            mine_score = Float32(0.0)
             for r in cutlass.range_constexpr(top_k):
-                best_v = cand[0]
-                best_s = score[0]
-                best_i = lane
+                best = keys[0]
                 for j in cutlass.range_constexpr(1, per_lane):
-                    # Strict '>' keeps the lower id among equal candidates.
-                    better = cand[j] > best_v
-                    best_v = _pick(better, cand[j], best_v)
-                    best_s = _pick(better, score[j], best_s)
-                    best_i = _pick(better, lane + WARP_THREADS * j, best_i)
-                for o in cutlass.range_constexpr(5):
-                    other_v = cute.arch.shuffle_sync_bfly(best_v, 16 >> o)
-                    other_s = cute.arch.shuffle_sync_bfly(best_s, 16 >> o)
-                    other_i = cute.arch.shuffle_sync_bfly(best_i, 16 >> o)
-                    take = (other_v > best_v) | (
-                        (other_v == best_v) & (other_i < best_i)
-                    )
-                    best_v = _pick(take, other_v, best_v)
-                    best_s = _pick(take, other_s, best_s)
-                    best_i = _pick(take, other_i, best_i)
-                mine_id = _pick(lane == r, best_i, mine_id)
-                mine_score = _pick(lane == r, best_s, mine_score)
+                    best = cutlass.max(best, keys[j])
+                best = cute.arch.warp_redux_sync(best, "max")
+                lowest = Int32(e)
+                for j in cutlass.range_constexpr(per_lane - 1, -1, -1):
+                    lowest = _pick(keys[j] == best, first_id + j, lowest)
+                winner = cute.arch.warp_redux_sync(lowest, "min")
+                mine_id = _pick(lane == r, winner, mine_id)
                 for j in cutlass.range_constexpr(per_lane):
-                    taken = lane + WARP_THREADS * j == best_i
-                    cand[j] = _pick(taken, Float32(NEG_HUGE), cand[j])
+                    taken = first_id + j == winner
+                    keys[j] = _pick(taken, Int32(REMOVED_KEY), keys[j])
+            cute.arch.sync_warp()
+            mine_score = scores[t, mine_id]
             denom = Float32(1.0)
             if const_expr(self.renormalize):
                 # Same fixed order in every lane: reproducible.
@@ -409,7 +424,9 @@ class MoeRouterKernel:
             if lane < top_k:
                 weights[t, lane] = mine_score / denom * Float32(self.scale)
                 choice[t, lane] = mine_id
-                chosen[mine_id, t] = Int32(1)
+                cute.arch.atomic_or(
+                    expert_mask.iterator + mine_id, Int32(1) << t, scope="cta"
+                )
         cute.arch.sync_threads()
 
         # ---- distinct experts -> slots (ascending id), rows, token lists
@@ -418,13 +435,8 @@ class MoeRouterKernel:
         local_slots = Int32(0)
         local_rows = Int32(0)
         for i in cutlass.range_constexpr(per_thread):
-            ex = tidx * per_thread + i
-            mask = Int32(0)
-            count = Int32(0)
-            for t in cutlass.range_constexpr(MAX_TOKENS):
-                picked = chosen[ex, t]
-                mask = mask | (picked << t)
-                count = count + picked
+            mask = expert_mask[tidx * per_thread + i]
+            count = cute.arch.popc(mask)
             masks[i] = mask
             counts[i] = count
             local_slots = local_slots + _pick(count > 0, Int32(1), Int32(0))
@@ -451,7 +463,6 @@ class MoeRouterKernel:
             row = row + _pick(before, warp_totals[w, 1], Int32(0))
         for i in cutlass.range_constexpr(per_thread):
             ex = tidx * per_thread + i
-            expert_mask[ex] = masks[i]
             expert_row0[ex] = row
             if counts[i] > 0:
                 table[tab.expert + slot] = ex

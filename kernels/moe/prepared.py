@@ -29,7 +29,6 @@ from ..common.skinny_mma import CHUNK, LANES_PER_QUAD, MAX_TOKENS, ceil_div
 from .kernel import (
     STAGE_DOWN,
     STAGE_GATE_UP,
-    UNROLL_BY_HALVES,
     MoeCombineKernel,
     MoeExpertKernel,
     MoeRouterKernel,
@@ -44,13 +43,17 @@ WARPS_PER_CTA = 4
 # M = 16 on the H200, docs/perf/moe.json diagnostics).
 MAX_SLOT_LANES = 32
 # The router's last CTA runs top-k with one warp per token (serially beyond
-# its warp count: ~2.5 us per token on the H200) and builds the table with one
-# thread per expert, so it is wider than the expert CTAs.
+# its warp count) and builds the table with one thread per expert, so it is
+# wider than the expert CTAs.
 ROUTER_WARPS = 8
-# Router split-K: the most CTAs per 16-expert tile, and the fewest K steps a
-# warp gets (fewer makes the reduction cost more than the loads it spreads).
-ROUTER_MAX_SPLIT = 8
-ROUTER_MIN_STEPS = 3
+# The router's weight never depends on the previous kernel: all of a warp's
+# K-steps are loaded before griddepcontrol.wait, so under PDL the loads overlap
+# the predecessor and only the reduction is left on the critical path.  One
+# CTA per 16-expert tile then beats splitting K over CTAs, whose partials cost
+# another round of global atomics (H200, M = 1: 8.2 vs 9.4 us per router
+# launch, split 1 vs 3).  K is split only when a warp's steps would exceed
+# ROUTER_MAX_STEPS (Kimi-Linear: 9 steps, 96-98 registers at M = 1 and 16).
+ROUTER_MAX_STEPS = 12
 
 _COMPILED: dict[tuple, object] = {}
 COMPILE_SECONDS: dict[tuple, float] = {}
@@ -79,16 +82,20 @@ def m_bucket_for(m: int) -> int:
     raise ValueError(f"M={m} is outside 1..{MAX_TOKENS} (small-batch MoE)")
 
 
-def router_split(hidden: int, warps: int = ROUTER_WARPS) -> int:
-    """Largest split of the router's K over CTAs that keeps every warp busy
-    with at least ``ROUTER_MIN_STEPS`` K steps."""
+def router_split(hidden: int, warps: int = ROUTER_WARPS) -> tuple[int, int]:
+    """(CTAs per 16-expert tile, K-steps per warp) for the router: the
+    smallest split whose warps have at most ``ROUTER_MAX_STEPS`` K-steps
+    each, every warp with some K work."""
     total = ceil_div(hidden // CHUNK, LANES_PER_QUAD)
-    for split in range(ROUTER_MAX_SPLIT, 0, -1):
+    split = 1
+    while True:
         slices = split * warps
         steps = ceil_div(total, slices)
-        if steps >= ROUTER_MIN_STEPS and steps * (slices - 1) < total:
-            return split
-    return 1
+        if steps <= ROUTER_MAX_STEPS and steps * (slices - 1) < total:
+            return split, steps
+        if steps == 1:
+            raise ValueError(f"no router split keeps every warp busy for K={hidden}")
+        split += 1
 
 
 def slot_lanes_for(
@@ -206,7 +213,7 @@ class PreparedMoe:
         self.gamma = rmsnorm_weight
 
         table = RoutingTable(num_experts, top_k)
-        self.split_k = router_split(hidden)
+        self.split_k, self.router_steps = router_split(hidden)
         tiles = num_experts // 16
         # Workspace: router partials + logits, counters, routing table and
         # weights, the gate_up output h and the FP32 expert outputs y.
@@ -232,15 +239,14 @@ class PreparedMoe:
     # ------------------------------------------------------------- compiling
     def _kernels(self, bucket: int) -> tuple:
         s = self.shape
-        halves = 1 if bucket <= 8 else 2
-        unroll = UNROLL_BY_HALVES[halves]
         lanes = slot_lanes_for(bucket, s, self.config.max_slot_lanes)
         warps = self.config.warps
         fused = self.gamma is not None
         return (
             MoeRouterKernel(
                 s.hidden, s.num_experts, s.top_k, bucket, self.split_k,
-                ROUTER_WARPS, unroll, self.scale, self.renormalize, self.use_pdl,
+                ROUTER_WARPS, self.router_steps, self.scale, self.renormalize,
+                self.use_pdl,
             ),
             MoeExpertKernel(
                 STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,

@@ -79,6 +79,9 @@ def _routing_case(regime: str, m: int, seed: int):
         x = x.to(bf16)
         gate = torch.zeros(EXPERTS, HIDDEN, device=dev)
         gate[torch.arange(EXPERTS), torch.arange(EXPERTS) // TOP_K] = 1.0
+    elif regime == "signed":  # biased scores of both signs, many near zero
+        gate = torch.randn(EXPERTS, HIDDEN, generator=g, device=dev) * HIDDEN**-0.5
+        bias = -0.5 + 0.3 * torch.randn(EXPERTS, generator=g, device=dev)
     elif regime == "ties":  # every score equal: experts 0..7 for every token
         gate = torch.zeros(EXPERTS, HIDDEN, device=dev)
     elif regime == "bias_ties":  # 64 experts share the best biased score
@@ -162,6 +165,16 @@ def test_random_routing(experts, m):
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
 def test_dummy_loader_routing(experts, m):
     _run_and_check(experts, "dummy", m, seed=100 + m)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16])
+def test_negative_biased_scores(experts, m):
+    # top-k compares integer keys of the biased scores: negative ones must
+    # order as the floats do.
+    x, gate, bias = _routing_case("signed", m, seed=150 + m)
+    biased = torch.sigmoid(router_logits(x, gate).float()) + bias
+    assert (biased < 0).any() and (biased > 0).any()
+    _run_and_check(experts, "signed", m, seed=150 + m)
 
 
 @pytest.mark.parametrize("m", [1, 16])

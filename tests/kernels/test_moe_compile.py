@@ -24,7 +24,13 @@ from kernels.moe.kernel import (  # noqa: E402
     MoeExpertKernel,
     MoeRouterKernel,
 )
-from kernels.moe.prepared import ROUTER_WARPS, MoeShape, router_split, slot_lanes_for  # noqa: E402
+from kernels.moe.prepared import (  # noqa: E402
+    ROUTER_MAX_STEPS,
+    ROUTER_WARPS,
+    MoeShape,
+    router_split,
+    slot_lanes_for,
+)
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2304, 1024, 256, 8
 SHAPE = MoeShape(HIDDEN, INTER, EXPERTS, TOP_K)
@@ -41,10 +47,8 @@ M, STREAM = cutlass.Int32(1), cuda.CUstream(0)
 
 @pytest.mark.parametrize("bucket", [1, 16])
 def test_router_compiles(bucket):
-    kern = MoeRouterKernel(
-        HIDDEN, EXPERTS, TOP_K, bucket, router_split(HIDDEN), ROUTER_WARPS,
-        8 if bucket <= 8 else 6, 2.446,
-    )  # fmt: skip
+    split, steps = router_split(HIDDEN)
+    kern = MoeRouterKernel(HIDDEN, EXPERTS, TOP_K, bucket, split, ROUTER_WARPS, steps, 2.446)
     assert cute.compile(kern, BF16, BF16, F32, F32, F32, I32, I32, F32, M, STREAM)
 
 
@@ -64,12 +68,16 @@ def test_combine_compiles(fused):
     assert cute.compile(kern, F32, I32, F32, BF16, BF16, BF16, BF16, M, STREAM)
 
 
-def test_router_split_keeps_every_warp_busy():
-    split = router_split(HIDDEN)
-    steps_total = HIDDEN // 32
-    slices = split * ROUTER_WARPS
-    steps = -(-steps_total // slices)
-    assert split > 1 and steps >= 3 and steps * (slices - 1) < steps_total
+def test_router_split_loads_all_weights_in_one_batch():
+    # Kimi-Linear: 72 K-steps over 8 warps, no split.
+    assert router_split(HIDDEN) == (1, 9)
+    # A longer K is split so that no warp has more than ROUTER_MAX_STEPS.
+    for hidden in (2048, 4096, 7168, 8192, 16384):
+        split, steps = router_split(hidden)
+        total = hidden // 32
+        slices = split * ROUTER_WARPS
+        assert steps == -(-total // slices) <= ROUTER_MAX_STEPS
+        assert steps * (slices - 1) < total
 
 
 def test_bad_configs_are_rejected():
