@@ -9,6 +9,8 @@
 #   sh ci/gpu/device_session.sh bench-specialized  # make bench, role latency_specialized (~7 min)
 #   sh ci/gpu/device_session.sh upstream-gpu PATH...  # part of upstream's GPU allow-list
 #                                        # (ci/upstream_tests.yaml); carry build/upstream-tests
+#                                        # and .gpu-bundle/upstream-tests (its test packages:
+#                                        # python3 ci/gpu/serve_wheels.py --profile upstream-tests)
 #
 # The bench roles keep their results in /tmp/hd-bench (same host, back-to-back calls); the
 # second one writes decode.{json,md} (with the e2e correctness record when `e2e` ran on this
@@ -71,6 +73,9 @@ bench-specialized)
     ;;
 upstream-gpu)
     shift
+    if [ -f .gpu-bundle/upstream-tests/install.sh ]; then
+        sh .gpu-bundle/upstream-tests/install.sh
+    fi
     parts=""
     for path in "$@"; do parts="$parts --only $path"; done
     # shellcheck disable=SC2086

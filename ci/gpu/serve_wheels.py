@@ -10,15 +10,23 @@ renderers and vllm.benchmarks with only those packages on the path; versions are
 ones vLLM 0.26.0 resolves to (the wheel venv), plus model-hosting-container-standards'
 own dependency supervisor.
 
+The `upstream-tests` profile stages what upstream vLLM's own tests import beyond that
+bundle and the host image (the H200 run of 2026-12-01 stopped at tests/conftest.py:
+"No module named 'tblib'"): the packages of ci/requirements-upstream-tests.txt, at the
+versions pinned there (the CPU CI installs the same file), so the GPU subset of
+ci/upstream_tests.yaml runs against the same test stack as the CPU one.
+
 Usage (repository root, on a machine with pip access):
-    python3 ci/gpu/serve_wheels.py
-Output: .gpu-bundle/serve/{*.whl,install.sh} (~1 MB, git-ignored); carry that folder in
-a device call after the vllm bundle is installed, then run its install.sh.
+    python3 ci/gpu/serve_wheels.py [--profile serve|upstream-tests]
+Output: .gpu-bundle/<profile>/{*.whl,install.sh} (git-ignored); carry that folder in a
+device call after the vllm bundle is installed, then run its install.sh.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,18 +41,44 @@ SERVE_PINS = [
 ]
 # What the host's python3 is (KINDS.md): CPython 3.12 on x86_64 Linux.
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+TEST_REQUIREMENTS = Path("ci/requirements-upstream-tests.txt")
 INSTALL_SH = """#!/bin/sh
-# Install the staged serving packages into the host's python3 (no index, no deps).
+# Install the staged {profile} packages into the host's python3 (no index, no deps).
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
 python3 -m pip install -q --no-index --no-deps "$here"/*.whl
-python3 -c "import uvicorn, watchfiles, prometheus_fastapi_instrumentator"
-echo "serve deps ok"
+python3 -c "import {imports}"
+echo "{profile} deps ok"
 """
 
 
+def upstream_test_pins(path: Path = TEST_REQUIREMENTS) -> list[str]:
+    """The ``name==version`` lines of the upstream-tests requirements file."""
+    pins = []
+    for line in path.read_text().splitlines():
+        spec = line.split("#", 1)[0].strip()
+        if not spec:
+            continue
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+==[A-Za-z0-9_.+-]+", spec):
+            raise ValueError(f"{path}: {spec!r} is not pinned as name==version")
+        pins.append(spec)
+    return pins
+
+
+def profiles() -> dict[str, tuple[list[str], str]]:
+    """profile -> (pins, the modules install.sh imports as its check)."""
+    return {
+        "serve": (SERVE_PINS, "uvicorn, watchfiles, prometheus_fastapi_instrumentator"),
+        "upstream-tests": (upstream_test_pins(), "tblib, pytest_asyncio, transformers"),
+    }
+
+
 def main() -> int:
-    out = Path(".gpu-bundle/serve")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", choices=("serve", "upstream-tests"), default="serve")
+    args = ap.parse_args()
+    pins, imports = profiles()[args.profile]
+    out = Path(".gpu-bundle") / args.profile
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.whl"):
         stale.unlink()
@@ -54,13 +88,14 @@ def main() -> int:
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     env = dict(os.environ, PIP_CONFIG_FILE=os.devnull)
-    if subprocess.run(cmd + SERVE_PINS, env=env).returncode != 0:
+    if subprocess.run(cmd + pins, env=env).returncode != 0:
         print("error: pip download failed; nothing staged", file=sys.stderr)
         return 1
-    (out / "install.sh").write_text(INSTALL_SH)
+    install = INSTALL_SH.format(profile=args.profile, imports=imports)
+    (out / "install.sh").write_text(install)
     wheels = sorted(p.name for p in out.glob("*.whl"))
-    if len(wheels) != len(SERVE_PINS):
-        print(f"error: want {len(SERVE_PINS)} wheels, got {wheels}", file=sys.stderr)
+    if len(wheels) != len(pins):
+        print(f"error: want {len(pins)} wheels, got {wheels}", file=sys.stderr)
         return 1
     size = sum(p.stat().st_size for p in out.iterdir())
     print(f"{out}: {len(wheels)} wheels, {size / 2**20:.1f} MiB; carry it, then "

@@ -21,6 +21,7 @@ otherwise. Problems with the pin, the sdist or the yaml raise HdError (exit 2).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -386,10 +387,27 @@ def restrict_to(subset: Subset, only: list[str]) -> Subset:
     )
 
 
+# Longest part label kept verbatim; the report names add ~40 characters to it and a file
+# name may have at most 255 bytes.
+MAX_PART_NAME = 120
+
+
 def part_name(only: list[str]) -> str:
-    """A file-name-safe label of a partial run (its reports must not replace the whole's)."""
+    """A file-name-safe label of a partial run (its reports must not replace the whole's).
+
+    The joined file stems, or for a long selection the first stems, the count and a hash
+    of the whole selection (the H200 run of 12 files named a report past 255 bytes)."""
     labels = [PurePosixPath(o.split("::", 1)[0]).stem or "tests" for o in only]
-    return "+".join(labels)
+    name = "+".join(labels)
+    if len(name) <= MAX_PART_NAME:
+        return name
+    digest = hashlib.sha256("\n".join(only).encode()).hexdigest()[:12]
+    head = ""
+    for label in labels:
+        if len(head) + len(label) + 1 > MAX_PART_NAME - 40:
+            break
+        head += label + "+"
+    return f"{head}{len(labels)}-paths-{digest}"
 
 
 # --- running -------------------------------------------------------------------------------

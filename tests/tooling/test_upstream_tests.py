@@ -304,6 +304,16 @@ def test_restrict_to_keeps_listed_entries_and_narrows_directories() -> None:
     assert upstream_tests.part_name(["tests/a", "tests/c/test_y.py"]) == "a+test_y"
 
 
+def test_long_part_names_stay_valid_file_names():
+    only = [f"tests/kernels/moe/test_some_long_module_name_{i}.py" for i in range(12)]
+    name = upstream_tests.part_name(only)
+    assert len(f"upstream-tests-gpu.{name}.junit.xml".encode()) < 255
+    assert name.startswith("test_some_long_module_name_0+") and "12-paths-" in name
+    # Distinct selections get distinct reports; the same one the same name.
+    assert name == upstream_tests.part_name(list(only))
+    assert name != upstream_tests.part_name(only[:-1] + ["tests/other.py"])
+
+
 def test_a_bare_interpreter_name_is_looked_up_on_path(
     pin: Pin, fake_venv: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
