@@ -68,6 +68,10 @@ EXPERT_COUNT_STEPS = 64
 # Decode steps of one request traced with the torch profiler after the timed runs
 # (GPU time per kernel name, CUDA-graph replays included): where a step's time goes.
 PROFILE_TOKENS = 64
+# Idle stretches of the GPU in the profile shorter than this are launch gaps inside a step;
+# the longest boundaries (kernel before, kernel after) are listed.
+IDLE_GAP_MIN_US = 5.0
+IDLE_GAP_ROWS = 6
 PROFILE_TOP_KERNELS = 25
 PROFILE_MD_ROWS = 15
 # CuTe DSL kernel symbols start with their module path; the markdown shows the rest.
@@ -100,27 +104,42 @@ def kernel_table(events: list[dict], steps: int, top: int) -> dict:
     overlap under programmatic dependent launch (a kernel starts early and waits for its
     predecessor); ``advance_us_per_step`` sums only how far each kernel moved the end of
     the GPU's busy time (additive: the names' advances sum to ``busy_us_per_step``, the
-    time at least one kernel ran)."""
+    time at least one kernel ran).
+
+    ``idle_us_per_step`` is the time between the first kernel's start and the last one's
+    end with no kernel running; ``idle_gaps`` names where it falls: per (kernel before,
+    kernel after) pair, the idle time per step in gaps of at least ``IDLE_GAP_MIN_US``
+    (the host's turn between decode steps shows up as one such boundary)."""
     kernels = sorted(
         (e for e in events if e.get("cat") == "kernel"), key=lambda e: (e["ts"], e["dur"])
     )
     totals: dict[str, list[float]] = {}
+    gaps: dict[tuple[str, str], list[float]] = {}
     busy_end = float("-inf")
     busy = 0.0
+    last_name = ""
     for event in kernels:
         start, end = event["ts"], event["ts"] + event["dur"]
+        if last_name and start - busy_end >= IDLE_GAP_MIN_US:
+            gap = gaps.setdefault((last_name, event["name"]), [0.0, 0])
+            gap[0] += start - busy_end
+            gap[1] += 1
         advance = max(0.0, end - max(start, busy_end))
         busy += advance
+        if end >= busy_end:
+            last_name = event["name"]
         busy_end = max(busy_end, end)
         entry = totals.setdefault(event["name"], [0.0, 0.0, 0])
         entry[0] += event["dur"]
         entry[1] += advance
         entry[2] += 1
     ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+    span = busy_end - kernels[0]["ts"] if kernels else 0.0
     return {
         "steps": steps,
         "gpu_us_per_step": sum(us for us, _, _ in totals.values()) / steps,
         "busy_us_per_step": busy / steps,
+        "idle_us_per_step": (span - busy) / steps,
         "launches_per_step": sum(n for _, _, n in totals.values()) / steps,
         "kernels": [
             {
@@ -130,6 +149,17 @@ def kernel_table(events: list[dict], steps: int, top: int) -> dict:
                 "launches_per_step": n / steps,
             }
             for name, (us, advance, n) in ranked[:top]
+        ],
+        "idle_gaps": [
+            {
+                "before": before,
+                "after": after,
+                "idle_us_per_step": us / steps,
+                "gaps_per_step": n / steps,
+            }
+            for (before, after), (us, n) in sorted(gaps.items(), key=lambda g: -g[1][0])[
+                :IDLE_GAP_ROWS
+            ]
         ],
     }
 
@@ -288,7 +318,29 @@ def _profile_lines(backend: str, table: dict | None) -> list[str]:
         lines.append(
             f"| `{name}` | {row['us_per_step']:.1f} | {shown} | {row['launches_per_step']:.1f} |"
         )
+    if "idle_us_per_step" in table:
+        lines += [
+            "",
+            f"GPU idle between the first and the last kernel: "
+            f"{table['idle_us_per_step']:.0f} us per step; in gaps of at least "
+            f"{IDLE_GAP_MIN_US:.0f} us, by the kernels around them:",
+            "",
+            "| before | after | idle us / step | gaps / step |",
+            "|---|---|---|---|",
+        ]
+        for gap in table["idle_gaps"]:
+            lines.append(
+                f"| `{_short_kernel_name(gap['before'])}` | "
+                f"`{_short_kernel_name(gap['after'])}` | "
+                f"{gap['idle_us_per_step']:.1f} | {gap['gaps_per_step']:.2f} |"
+            )
     return [*lines, ""]
+
+
+def _short_kernel_name(name: str) -> str:
+    name = CUTE_KERNEL_NAME.sub("cutedsl/", name)
+    name = CUTE_KERNEL_ARGS.sub("", name).replace("|", "\\|")
+    return name if len(name) <= 60 else name[:57] + "..."
 
 
 def write_plot(data: dict, path: Path) -> bool:

@@ -164,6 +164,31 @@ def test_kernel_table_counts_an_early_launched_kernel_only_for_the_time_it_adds(
     assert table["busy_us_per_step"] == pytest.approx(55.0) == sum(advance.values())
 
 
+def test_kernel_table_locates_the_gpu_idle_time():
+    # Two steps: "embed" .. "argmax", then 100 us and 90 us of host time before the next
+    # step's "embed"; a 2 us launch gap inside a step is not listed.
+    events = [
+        {"cat": "kernel", "name": "embed", "ts": 0.0, "dur": 10.0},
+        {"cat": "kernel", "name": "gemm", "ts": 12.0, "dur": 20.0},
+        {"cat": "kernel", "name": "argmax", "ts": 32.0, "dur": 3.0},
+        {"cat": "kernel", "name": "embed", "ts": 135.0, "dur": 10.0},
+        {"cat": "kernel", "name": "gemm", "ts": 145.0, "dur": 20.0},
+        {"cat": "kernel", "name": "argmax", "ts": 165.0, "dur": 3.0},
+        {"cat": "kernel", "name": "embed", "ts": 258.0, "dur": 10.0},
+    ]
+    table = bench.kernel_table(events, steps=2, top=5)
+    assert table["busy_us_per_step"] == pytest.approx(38.0)
+    assert table["idle_us_per_step"] == pytest.approx((268.0 - 76.0) / 2)
+    assert table["idle_gaps"] == [
+        {
+            "before": "argmax",
+            "after": "embed",
+            "idle_us_per_step": pytest.approx(95.0),
+            "gaps_per_step": 1.0,
+        }
+    ]
+
+
 def test_markdown_lists_the_profile_or_why_it_is_missing(tmp_path):
     data = _report(
         profile_n1={
