@@ -309,10 +309,7 @@ def _profile_lines(backend: str, table: dict | None) -> list[str]:
         "|---|---|---|---|",
     ]
     for row in table["kernels"][:PROFILE_MD_ROWS]:
-        name = CUTE_KERNEL_NAME.sub("cutedsl/", row["name"])
-        name = CUTE_KERNEL_ARGS.sub("", name).replace("|", "\\|")
-        if len(name) > 90:
-            name = name[:87] + "..."
+        name = _short_kernel_name(row["name"], 90)
         advance = row.get("advance_us_per_step")
         shown = "-" if advance is None else f"{advance:.1f}"
         lines.append(
@@ -330,17 +327,19 @@ def _profile_lines(backend: str, table: dict | None) -> list[str]:
         ]
         for gap in table["idle_gaps"]:
             lines.append(
-                f"| `{_short_kernel_name(gap['before'])}` | "
-                f"`{_short_kernel_name(gap['after'])}` | "
+                f"| `{_short_kernel_name(gap['before'], 60)}` | "
+                f"`{_short_kernel_name(gap['after'], 60)}` | "
                 f"{gap['idle_us_per_step']:.1f} | {gap['gaps_per_step']:.2f} |"
             )
     return [*lines, ""]
 
 
-def _short_kernel_name(name: str) -> str:
+def _short_kernel_name(name: str, width: int) -> str:
+    """A kernel name for a markdown cell: CuTe DSL names without their mangled
+    arguments, cut to ``width`` characters."""
     name = CUTE_KERNEL_NAME.sub("cutedsl/", name)
     name = CUTE_KERNEL_ARGS.sub("", name).replace("|", "\\|")
-    return name if len(name) <= 60 else name[:57] + "..."
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def write_plot(data: dict, path: Path) -> bool:

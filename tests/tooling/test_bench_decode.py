@@ -202,6 +202,7 @@ def test_markdown_lists_the_profile_or_why_it_is_missing(tmp_path):
     bench.write_markdown(data, out)
     text = out.read_text()
     assert "| `a\\|b` | 3.0 | 3.0 | 0.3 |" in text
+    assert "GPU idle between the first and the last kernel: 0 us per step" in text
     assert "Not traced: RuntimeError: no trace" in text
 
 
