@@ -170,9 +170,13 @@ SWEEP_CONFIGS = [MoeConfig(warps=w, max_slot_lanes=lanes) for w in (4, 8) for la
 
 
 def breakdown(layers, m, reps, replays, gen):
-    """Per-launch cost: time of the first k launches minus the first k - 1."""
+    """Per-launch cost, two ways: chained (time of the first k launches minus the first
+    k - 1, so overlap shows up in the later launch) and alone (a graph of only that
+    launch, the routing table left by a full run)."""
     x = torch.randn(m, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
     out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    for lay in layers:
+        lay.moe.run(x, out)
     result, previous = {}, 0.0
     for k, name in enumerate(LAUNCH_NAMES, start=1):
 
@@ -181,8 +185,12 @@ def breakdown(layers, m, reps, replays, gen):
             for launch in lay.moe.launches(x, out)[:k]:
                 launch()
 
+        def alone(lay, k=k):
+            lay.moe.launches(x, out)[k - 1]()
+
         t = time_graph(prefix, layers, reps, replays)[0]
         result[name] = round(t - previous, 2)
+        result[f"{name}_alone"] = round(time_graph(alone, layers, reps, replays)[0], 2)
         previous = t
     result["total"] = round(previous, 2)
     return result
