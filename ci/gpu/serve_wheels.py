@@ -41,7 +41,8 @@ SERVE_PINS = [
 ]
 # What the host's python3 is (KINDS.md): CPython 3.12 on x86_64 Linux.
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
-TEST_REQUIREMENTS = Path("ci/requirements-upstream-tests.txt")
+CI_DIR = Path(__file__).resolve().parents[1]
+TEST_REQUIREMENTS = CI_DIR / "requirements-upstream-tests.txt"
 INSTALL_SH = """#!/bin/sh
 # Install the staged {profile} packages into the host's python3 (no index, no deps).
 set -e
@@ -65,19 +66,19 @@ def upstream_test_pins(path: Path = TEST_REQUIREMENTS) -> list[str]:
     return pins
 
 
-def profiles() -> dict[str, tuple[list[str], str]]:
-    """profile -> (pins, the modules install.sh imports as its check)."""
-    return {
-        "serve": (SERVE_PINS, "uvicorn, watchfiles, prometheus_fastapi_instrumentator"),
-        "upstream-tests": (upstream_test_pins(), "tblib, pytest_asyncio, transformers"),
-    }
+# profile -> the modules its install.sh imports as the check.
+PROFILE_IMPORTS = {
+    "serve": "uvicorn, watchfiles, prometheus_fastapi_instrumentator",
+    "upstream-tests": "tblib, pytest_asyncio, transformers",
+}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profile", choices=("serve", "upstream-tests"), default="serve")
+    ap.add_argument("--profile", choices=tuple(PROFILE_IMPORTS), default="serve")
     args = ap.parse_args()
-    pins, imports = profiles()[args.profile]
+    pins = SERVE_PINS if args.profile == "serve" else upstream_test_pins()
+    imports = PROFILE_IMPORTS[args.profile]
     out = Path(".gpu-bundle") / args.profile
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.whl"):
