@@ -68,6 +68,9 @@ EXPERT_COUNT_STEPS = 64
 # Decode steps of one request traced with the torch profiler after the timed runs
 # (GPU time per kernel name, CUDA-graph replays included): where a step's time goes.
 PROFILE_TOKENS = 64
+# N of the traced requests: the kernel table is of N = 1; the N = 2 trace is only kept
+# (--keep-traces) to compare the host side of the two (N = 1 trailed N = 2 on 2026-12-01).
+PROFILE_NS = (1, 2)
 # Idle stretches of the GPU in the profile shorter than this are launch gaps inside a step;
 # the longest boundaries (kernel before, kernel after) are listed.
 IDLE_GAP_MIN_US = 5.0
@@ -389,9 +392,11 @@ def _prompt(i: int, length: int) -> dict:
     return {"prompt_token_ids": [1000 + 7 * i + j for j in range(length)]}
 
 
-def run_backend(model_dir: Path, backend: str, ns: list[int], runs: int) -> dict:
+def run_backend(
+    model_dir: Path, backend: str, ns: list[int], runs: int, keep_traces: Path | None = None
+) -> dict:
     """One engine with ``backend``: step times per N, prefill throughput and the kernel
-    profile of a step at N = 1."""
+    profile of a step at N = 1 (the raw traces kept in ``keep_traces`` when given)."""
     import asyncio
     import time
 
@@ -461,13 +466,20 @@ def run_backend(model_dir: Path, backend: str, ns: list[int], runs: int) -> dict
         result["prefill_tokens_per_s"] = statistics.median(rates)
         result["prefill_tokens_per_s_runs"] = rates
         # Kept apart from the timed numbers: a failed trace is reported, not fatal.
-        try:
-            await engine.start_profile()
-            await batch("profile", 1, PROMPT_TOKENS, PROFILE_TOKENS)
-            await engine.stop_profile()
-            result["profile_n1"] = read_trace(trace_dir, PROFILE_TOKENS)
-        except Exception as exc:  # noqa: BLE001
-            result["profile_n1"] = {"error": f"{type(exc).__name__}: {exc}"}
+        for n in PROFILE_NS:
+            try:
+                await engine.start_profile()
+                await batch(f"profile{n}", n, PROMPT_TOKENS, PROFILE_TOKENS)
+                await engine.stop_profile()
+                trace = wait_for_trace(trace_dir)
+                table = read_trace(trace, PROFILE_TOKENS)
+                if n == 1:
+                    result["profile_n1"] = table
+                keep_trace(trace, keep_traces, f"trace-{backend}-n{n}.json.gz")
+            except Exception as exc:  # noqa: BLE001
+                if n == 1:
+                    result["profile_n1"] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"{backend}: profile at N={n} failed: {exc}", flush=True)
         return result
 
     try:
@@ -477,21 +489,47 @@ def run_backend(model_dir: Path, backend: str, ns: list[int], runs: int) -> dict
         shutil.rmtree(trace_dir, ignore_errors=True)
 
 
-def read_trace(trace_dir: Path, tokens: int) -> dict:
-    """Kernel table of the worker's torch-profiler trace of one request of
-    ``tokens`` tokens (its prefill counted as one of the steps)."""
-    import gzip
+def wait_for_trace(trace_dir: Path) -> Path:
+    """The worker's torch-profiler trace once it is written completely (the worker
+    writes it after stop_profile returns)."""
     import time
 
     deadline = time.monotonic() + 120
-    while not (traces := sorted(trace_dir.glob("*.pt.trace.json*"))):
+    size = -1
+    while True:
+        traces = sorted(trace_dir.glob("*.pt.trace.json*"))
+        if traces and traces[-1].stat().st_size == size:
+            return traces[-1]
         if time.monotonic() > deadline:
-            raise RuntimeError(f"no torch-profiler trace in {trace_dir}")
+            raise RuntimeError(f"no complete torch-profiler trace in {trace_dir}")
+        size = traces[-1].stat().st_size if traces else -1
         time.sleep(1)
-    opener = gzip.open if traces[-1].suffix == ".gz" else open
-    with opener(traces[-1], "rt") as f:
+
+
+def read_trace(trace: Path, tokens: int) -> dict:
+    """Kernel table of a torch-profiler trace of requests of ``tokens`` tokens (the
+    prefill counted as one of the steps)."""
+    import gzip
+
+    opener = gzip.open if trace.suffix == ".gz" else open
+    with opener(trace, "rt") as f:
         events = json.load(f)["traceEvents"]
     return kernel_table(events, tokens, PROFILE_TOP_KERNELS)
+
+
+def keep_trace(trace: Path, keep_dir: Path | None, name: str) -> None:
+    """Move ``trace`` (gzipped) to ``keep_dir``/``name`` for a look at the host side of a
+    step (the CPU activities are in it too), or delete it."""
+    import gzip
+
+    if keep_dir is not None:
+        keep_dir.mkdir(parents=True, exist_ok=True)
+        if trace.suffix == ".gz":
+            shutil.copyfile(trace, keep_dir / name)
+        else:
+            with open(trace, "rb") as src, gzip.open(keep_dir / name, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    trace.unlink()
 
 
 def count_experts(model_dir: Path, ns: list[int]) -> dict[int, float]:
@@ -595,7 +633,7 @@ def _worker(args) -> int:
     if args.worker == "experts":
         out = {"distinct": {str(k): v for k, v in count_experts(args.model_dir, ns).items()}}
     else:
-        out = run_backend(args.model_dir, args.worker, ns, args.runs)
+        out = run_backend(args.model_dir, args.worker, ns, args.runs, args.keep_traces)
     out["host"] = host_facts(os.environ.get(COMMAND_ENV, ""))
     Path(args.result).write_text(json.dumps(out))
     return 0
@@ -618,6 +656,8 @@ def _spawn(args, role: str, result: Path) -> None:
         sys.executable, __file__, "--worker", role, "--result", str(result),
         "--model-dir", str(args.model_dir), "--n", args.n, "--runs", str(args.runs),
     ]  # fmt: skip
+    if args.keep_traces:
+        cmd += ["--keep-traces", str(args.keep_traces)]
     env = worker_env(os.environ, args.triton_cache)
     env[COMMAND_ENV] = "python3 " + " ".join(sys.argv)
     done = subprocess.run(cmd, env=env)
@@ -658,6 +698,13 @@ def main() -> int:
         type=Path,
         help="the end-to-end tests' correctness.json (HD_INTEGRATION_DIR) to record in the "
         "report; it must be of the same wheel",
+    )
+    ap.add_argument(
+        "--keep-traces",
+        type=Path,
+        help="keep the torch-profiler traces (GPU kernels and host activities of "
+        f"{PROFILE_TOKENS}-token requests at N = {', '.join(map(str, PROFILE_NS))}) here, "
+        "gzipped, one per backend and N",
     )
     ap.add_argument(
         "--assemble",

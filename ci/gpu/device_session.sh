@@ -7,6 +7,8 @@
 #                                        # judging (~9 min); needs .gpu-bundle/serve carried
 #   sh ci/gpu/device_session.sh bench-stock        # make bench, roles auto + experts (~7 min)
 #   sh ci/gpu/device_session.sh bench-specialized  # make bench, role latency_specialized (~7 min)
+#   sh ci/gpu/device_session.sh host-loop          # host time per decode step by phase
+#                                                  # (scripts/profile_host_loop.py, ~5 min)
 #   sh ci/gpu/device_session.sh upstream-gpu PATH...  # part of upstream's GPU allow-list
 #                                        # (ci/upstream_tests.yaml); carry build/upstream-tests
 #                                        # and .gpu-bundle/upstream-tests (its test packages:
@@ -14,7 +16,7 @@
 #
 # The bench roles keep their results in /tmp/hd-bench (same host, back-to-back calls); the
 # second one writes decode.{json,md} (with the e2e correctness record when `e2e` ran on this
-# host) and both copy what they have to $OUT. Render the plot here: bench_decode.py
+# host) and both copy what they have to $OUT, with each engine's profiler traces at N = 1, 2. Render the plot here: bench_decode.py
 # --render-only --out-dir docs/perf.
 set -u
 : "${OUT:?run on the device host, where OUT is set}"
@@ -29,7 +31,7 @@ bench_role() {
     # shellcheck disable=SC2086
     timeout 570 python3 scripts/bench_decode.py --out-dir /tmp/hd-bench-out \
         --scratch "$SCRATCH" --runs "$RUNS" --roles "$1" --triton-cache "$TRITON" \
-        $correctness > "/tmp/hd-bench-$1.log" 2>&1
+        --keep-traces "$OUT" $correctness > "/tmp/hd-bench-$1.log" 2>&1
     echo "bench $1: exit $?"
     grep -v "Autotuning kernel" "/tmp/hd-bench-$1.log" \
         | grep -E " N=|rror|Traceback|specialized decode:|init engine" | tail -20
@@ -71,6 +73,15 @@ bench-stock)
 bench-specialized)
     bench_role latency_specialized
     ;;
+host-loop)
+    # Host time per decode step by phase, unprofiled, then cProfile (~2.5 min per engine).
+    for backend in latency_specialized auto; do
+        timeout 270 python3 scripts/profile_host_loop.py --out-dir "$OUT" \
+            --backend "$backend" --triton-cache "$TRITON" > "/tmp/hd-host-$backend.log" 2>&1
+        echo "host loop $backend: exit $?"
+        grep -v "Autotuning kernel" "/tmp/hd-host-$backend.log" | tail -40
+    done
+    ;;
 upstream-gpu)
     shift
     if [ -f .gpu-bundle/upstream-tests/install.sh ]; then
@@ -78,16 +89,19 @@ upstream-gpu)
     fi
     parts=""
     for path in "$@"; do parts="$parts --only $path"; done
+    # The session ends itself (and reports what ran) well inside the call's limit; the log
+    # goes straight to $OUT so that it comes back even if the call is cut. On 2026-12-01
+    # tests/kernels/test_kda.py alone ran ~45 s per test (Triton compiles): pass few paths.
     # shellcheck disable=SC2086
     timeout 570 python3 scripts/hd.py upstream-tests --python python3 --subset gpu \
-        --extracted $parts > /tmp/hd-upstream-gpu.log 2>&1
+        --extracted --session-timeout "${HD_UPSTREAM_SESSION_S:-420}" $parts \
+        > "$OUT/upstream-gpu.log" 2>&1
     echo "upstream-tests: exit $?"
-    grep -E "^upstream-tests|passed|failed" /tmp/hd-upstream-gpu.log | tail -12
-    gzip -c /tmp/hd-upstream-gpu.log > "$OUT/upstream-gpu.log.gz"
+    grep -E "^upstream-tests|passed|failed" "$OUT/upstream-gpu.log" | tail -12
     cp build/upstream-tests-gpu*.json "$OUT"/ 2>/dev/null
     ;;
 *)
-    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|upstream-gpu" >&2
+    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|host-loop|upstream-gpu" >&2
     exit 2
     ;;
 esac

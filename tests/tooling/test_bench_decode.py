@@ -269,3 +269,32 @@ def test_correctness_record_goes_into_the_report_only_for_the_measured_wheel():
     assert data["correctness"] == {"result": "10 passed", "checks": ["a: passed"]}
     with pytest.raises(ValueError, match="run the tests with the measured wheel"):
         bench.attach_correctness(data, dict(record, fingerprint="0ld"))
+
+
+def test_keep_trace_gzips_a_plain_trace_and_removes_the_original(tmp_path):
+    import gzip
+
+    trace = tmp_path / "w.pt.trace.json"
+    trace.write_text('{"traceEvents": []}')
+    bench.keep_trace(trace, tmp_path / "kept", "trace-x-n1.json.gz")
+    assert not trace.exists()
+    with gzip.open(tmp_path / "kept" / "trace-x-n1.json.gz", "rt") as f:
+        assert json.load(f) == {"traceEvents": []}
+    trace.write_text("{}")
+    bench.keep_trace(trace, None, "unused")
+    assert not trace.exists() and not (tmp_path / "unused").exists()
+
+
+def test_wait_for_trace_returns_the_newest_trace_once_its_size_settles(tmp_path):
+    (tmp_path / "a.pt.trace.json").write_text("{}")
+    (tmp_path / "b.pt.trace.json.gz").write_bytes(b"xx")
+    assert bench.wait_for_trace(tmp_path).name == "b.pt.trace.json.gz"
+
+
+def test_host_loop_phase_table():
+    import profile_host_loop
+
+    table = profile_host_loop.phase_table({"runner.execute_model": [1e-3, 3e-3, 2e-3]}, 3)
+    assert table["runner.execute_model"] == pytest.approx(
+        {"median_us": 2000.0, "mean_us": 2000.0, "calls_per_step": 1.0}
+    )

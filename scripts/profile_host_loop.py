@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Where the host time of a decode step goes inside vLLM (one engine, one H200).
+
+The torch profile of `make bench` (2026-12-01, wheel 0.26.0+hd.2) showed the specialized
+engine at N = 1 host-bound: the GPU ran each decode graph in ~2.5 ms and then waited ~0.5 ms
+for the next cudaGraphLaunch, which the engine-core thread issued ~2.4 ms after it began
+preparing the step. A profiler slows the host it measures, so this script times the host
+without one: it wraps the engine core's step and the model runner's and scheduler's phases
+with perf_counter (in the engine-core process, through collective_rpc) while N requests
+decode, then runs cProfile over one more request for the functions behind them.
+
+    python3 scripts/profile_host_loop.py --out-dir /tmp/hl [--backend auto] [--n 1,2,4]
+    sh ci/gpu/device_session.sh host-loop      # both engines, on the offline H200
+
+Writes <out-dir>/host_loop-<backend>.json (inter-token latency and, per wrapped phase, the
+median microseconds per call and calls per decode step, for each N) and
+host_loop-<backend>-cprofile.txt (cProfile of one N = 1 request, by cumulative and by own
+time). Prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from bench_decode import (  # noqa: E402
+    DEFAULT_MODEL_DIR,
+    PROMPT_TOKENS,
+    _engine_args,
+    _prompt,
+    itl_samples,
+    worker_env,
+)
+
+TOKENS = 256
+CPROFILE_TOKENS = 128
+CPROFILE_ROWS = 70
+# (owner, method): the engine core's loop iteration and step, the scheduler's two calls and
+# the model runner's phases of a step (vLLM 0.26.0 names; a missing one is reported, not
+# fatal, so the script survives a rebase).
+RUNNER_PHASES = (
+    "execute_model",
+    "sample_tokens",
+    "_update_states",
+    "_prepare_inputs",
+    "_build_attention_metadata",
+    "_determine_batch_execution_and_padding",
+    "_preprocess",
+    "_sample",
+    "_bookkeeping_sync",
+)
+SCHEDULER_PHASES = ("schedule", "update_from_output")
+CORE_PHASES = ("_process_engine_step", "step_fn")
+
+
+def install_timers(worker) -> list[str]:
+    """In the engine-core process: wrap every phase with a perf_counter timer whose samples
+    go to ``worker._hd_host`` (phase -> seconds). Returns the phases it could not find."""
+    import functools
+    import gc
+    import time
+    from collections import defaultdict
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    samples = worker._hd_host = defaultdict(list)
+
+    def timed(key, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                samples[key].append(time.perf_counter() - start)
+
+        return wrapper
+
+    missing = []
+    runner_cls = type(worker.model_runner)
+    for name in RUNNER_PHASES:
+        if hasattr(runner_cls, name):
+            setattr(runner_cls, name, timed(f"runner.{name}", getattr(runner_cls, name)))
+        else:
+            missing.append(f"runner.{name}")
+    for name in SCHEDULER_PHASES:
+        if hasattr(Scheduler, name):
+            setattr(Scheduler, name, timed(f"scheduler.{name}", getattr(Scheduler, name)))
+        else:
+            missing.append(f"scheduler.{name}")
+    # The busy loop calls bound methods held by the engine-core object: wrap the instance.
+    cores = [o for o in gc.get_objects() if isinstance(o, EngineCore)]
+    for name in CORE_PHASES:
+        if cores and hasattr(cores[0], name):
+            setattr(cores[0], name, timed(f"core.{name}", getattr(cores[0], name)))
+        else:
+            missing.append(f"core.{name}")
+    return missing
+
+
+def take_timers(worker) -> dict[str, list[float]]:
+    samples = dict(worker._hd_host)
+    worker._hd_host.clear()
+    return samples
+
+
+def start_cprofile(worker) -> None:
+    import cProfile
+
+    worker._hd_cprofile = cProfile.Profile()
+    worker._hd_cprofile.enable()
+
+
+def stop_cprofile(worker) -> str:
+    import io
+    import pstats
+
+    worker._hd_cprofile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(worker._hd_cprofile, stream=text)
+    stats.sort_stats("cumulative").print_stats(CPROFILE_ROWS)
+    stats.sort_stats("tottime").print_stats(CPROFILE_ROWS)
+    return text.getvalue()
+
+
+def phase_table(samples: dict[str, list[float]], steps: int) -> dict[str, dict]:
+    """Median microseconds per call and calls per decode step, per phase."""
+    return {
+        key: {
+            "median_us": statistics.median(values) * 1e6,
+            "mean_us": statistics.mean(values) * 1e6,
+            "calls_per_step": len(values) / steps,
+        }
+        for key, values in sorted(samples.items())
+    }
+
+
+def run(model_dir: Path, backend: str, ns: list[int]) -> tuple[dict, str]:
+    import asyncio
+    import time
+
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(_engine_args(model_dir, backend, max(ns)))
+
+    async def request(rid: str, max_tokens: int) -> list:
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )  # fmt: skip
+        chunks = []
+        async for out in engine.generate(_prompt(0, PROMPT_TOKENS), params, rid):
+            chunks.append((time.perf_counter(), len(out.outputs[0].token_ids)))
+        return chunks
+
+    async def batch(tag: str, n: int, max_tokens: int) -> list:
+        return await asyncio.gather(*(request(f"{tag}-{i}", max_tokens) for i in range(n)))
+
+    async def main() -> tuple[dict, str]:
+        result = {"backend": backend, "tokens": TOKENS, "per_n": {}}
+        await batch("settle", 1, TOKENS)
+        result["missing_phases"] = (await engine.collective_rpc(install_timers))[0]
+        for n in ns:
+            await batch(f"warm{n}", n, 16)
+            await engine.collective_rpc(take_timers)
+            chunks = await batch(f"n{n}", n, TOKENS)
+            samples = (await engine.collective_rpc(take_timers))[0]
+            itl = statistics.median(s for ch in chunks for s in itl_samples(ch)) * 1e3
+            result["per_n"][str(n)] = {"itl_ms": itl, "phases": phase_table(samples, TOKENS)}
+            print(f"{backend} N={n}: inter-token latency {itl:.3f} ms", flush=True)
+        await engine.collective_rpc(start_cprofile)
+        await batch("cprofile", 1, CPROFILE_TOKENS)
+        text = (await engine.collective_rpc(stop_cprofile))[0]
+        return result, text
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--backend", default="latency_specialized")
+    ap.add_argument("--n", default="1,2,4")
+    ap.add_argument(
+        "--triton-cache", type=Path, help="one Triton cache shared with make bench's engines"
+    )
+    args = ap.parse_args()
+    os.environ.update(worker_env(os.environ, args.triton_cache))
+    # collective_rpc with functions needs vLLM's pickle-based serialization.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    result, text = run(args.model_dir, args.backend, [int(n) for n in args.n.split(",")])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"host_loop-{args.backend}.json").write_text(json.dumps(result, indent=2))
+    (args.out_dir / f"host_loop-{args.backend}-cprofile.txt").write_text(text)
+    for n, row in result["per_n"].items():
+        print(f"\nN = {n}: inter-token latency {row['itl_ms']:.3f} ms")
+        for key, phase in row["phases"].items():
+            print(
+                f"  {key:50s} {phase['median_us']:8.1f} us median "
+                f"{phase['calls_per_step']:5.2f} calls / step"
+            )
+    if result["missing_phases"]:
+        print(f"not wrapped (not found): {result['missing_phases']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
