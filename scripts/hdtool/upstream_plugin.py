@@ -2,7 +2,7 @@
 `-p _hd_upstream_plugin` inside the wheel venv (it imports only pytest and the stdlib here).
 
 It reads the selection that upstream_tests.py wrote (path in HD_UPSTREAM_SELECTION) and:
-- refuses to run unless `vllm` is imported from the venv's site-packages: the point of the run
+- refuses to run unless `vllm` is imported from an installed distribution: the point of the run
   is the installed (patched) wheel, never a source tree that happens to be importable;
 - for the GPU subset, refuses to run without a CUDA device (every test would skip);
 - deselects the exclusions that name test ids or a `-k` expression (whole files and
@@ -35,16 +35,24 @@ def _load_selection() -> dict:
 
 
 def _installed_vllm(rootdir: Path) -> dict:
-    """Where vllm comes from; exits the session unless it is the venv's installed copy."""
+    """Where vllm comes from; exits the session unless it is an installed distribution's
+    copy (a venv's site-packages, or a `pip install --target` folder on the path, as on the
+    GPU host), never a source tree."""
+    from importlib import metadata
+
     import vllm
 
     location = Path(vllm.__file__).resolve().parent
-    site_dirs = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
-    inside_venv = any(location.is_relative_to(d) for d in site_dirs)
-    if not inside_venv or location.is_relative_to(rootdir.resolve()):
+    try:
+        installed = Path(metadata.distribution("vllm").locate_file("vllm")).resolve()
+    except metadata.PackageNotFoundError:
+        installed = None
+    if installed != location or location.is_relative_to(rootdir.resolve()):
+        site_dirs = {Path(sysconfig.get_paths()[key]).resolve() for key in ("purelib", "platlib")}
         pytest.exit(
-            f"vllm is imported from {location}, not from this interpreter's site-packages "
-            f"({', '.join(map(str, sorted(site_dirs)))}): the upstream tests must run against "
+            f"vllm is imported from {location}, which is not an installed vllm distribution "
+            f"(installed: {installed}; this interpreter's site-packages: "
+            f"{', '.join(map(str, sorted(site_dirs)))}): the upstream tests must run against "
             "the installed wheel",
             returncode=3,
         )

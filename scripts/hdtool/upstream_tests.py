@@ -540,6 +540,8 @@ def run(args: argparse.Namespace, pin: Pin) -> int:
     extra = list(args.pytest_arg or [])
     if args.timeout is not None:
         subset.timeout = args.timeout
+    if args.session_timeout is not None:
+        subset.session_timeout = args.session_timeout
     # Short, outside the checkout: tests bind AF_UNIX sockets under tmp_path, whose path may
     # not exceed 107 bytes (a deep checkout, e.g. a rebase's staged project, would).
     basetemp = Path(tempfile.mkdtemp(prefix=f"hd-upstream-{subset.name}-"))
@@ -641,6 +643,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subset", choices=SUBSETS, default="cpu", help="which list to run")
     p.add_argument("--config", metavar="YAML", help=f"the allow-list (default: {CONFIG})")
     p.add_argument("--timeout", type=int, metavar="S", help="per-test timeout (default: yaml)")
+    p.add_argument(
+        "--session-timeout",
+        type=int,
+        metavar="S",
+        help="end the pytest session after S seconds and report what ran (default: yaml), "
+        "e.g. to end inside a GPU host's call limit",
+    )
     p.add_argument(
         "--list", action="store_true", help="only collect: show what the selection holds"
     )

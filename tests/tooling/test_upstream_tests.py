@@ -101,7 +101,12 @@ def pin(tmp_path: Path) -> Pin:
 @pytest.fixture(scope="module")
 def fake_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A venv with a fake installed vllm; pytest and pytest-timeout come from this one."""
-    venv = tmp_path_factory.mktemp("venv") / "v"
+    return _make_fake_venv(tmp_path_factory.mktemp("venv") / "v", installed=True)
+
+
+def _make_fake_venv(venv: Path, installed: bool) -> Path:
+    """A venv whose site-packages holds a fake vllm package, with the dist-info pip writes
+    when ``installed`` (without it, a copied source tree)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     purelib = subprocess.run(
@@ -114,6 +119,13 @@ def fake_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     package.mkdir(parents=True)
     (package / "__init__.py").write_text('__version__ = "0.1.0+hd.1"\n')
     (package / "_hopper_decode_build.py").write_text('FINGERPRINT = "ab" * 32\n')
+    if installed:
+        dist_info = Path(purelib) / "vllm-0.1.0+hd.1.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(
+            "Metadata-Version: 2.1\nName: vllm\nVersion: 0.1.0+hd.1\n"
+        )
+        (dist_info / "RECORD").write_text("vllm/__init__.py,,\n")
     (Path(purelib) / "outer.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     return python
 
@@ -124,6 +136,7 @@ def _args(**kw: object) -> argparse.Namespace:
         subset="cpu",
         config=None,
         timeout=None,
+        session_timeout=None,
         list=False,
         pytest_arg=None,
         extracted=False,
@@ -245,6 +258,24 @@ def test_a_run_stopped_early_says_its_counts_are_partial(
     report = json.loads((pin.root / "build" / "upstream-tests-cpu.json").read_text())
     assert (report["selected"], report["not_run"]) == (7, 1)
     assert report["stopped"]
+
+
+def test_a_vllm_that_is_no_installed_distribution_is_refused(
+    pin: Pin, tmp_path: Path, capfd: pytest.CaptureFixture
+) -> None:
+    """A vllm package without its dist-info (a copied source tree) is not the wheel under
+    test: the session stops before any test runs."""
+    python = _make_fake_venv(tmp_path / "v", installed=False)
+    assert upstream_tests.run(_args(python=str(python)), pin) != 0
+    assert "which is not an installed vllm distribution" in capfd.readouterr().out
+
+
+def test_session_timeout_option_overrides_the_yaml(
+    pin: Pin, fake_venv: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--session-timeout: a part of the GPU subset ends itself inside the device call."""
+    upstream_tests.run(_args(python=str(fake_venv), list=True, session_timeout=77), pin)
+    assert "--session-timeout=77" in capsys.readouterr().out
 
 
 def test_extracted_runs_without_the_sdist(pin: Pin, fake_venv: Path, capsys) -> None:
