@@ -32,17 +32,22 @@ def row_rel_errs(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-30)
 
 
+def gap_sigmas(row: torch.Tensor, ref_token: int, got_token: int) -> float:
+    """How far ``got_token`` trails ``ref_token`` in one row of logits, in the row's standard
+    deviations (below NEAR_TIE_SIGMAS: a tie)."""
+    row = row.float()
+    return float((row[ref_token] - row[got_token]) / row.std().clamp_min(1e-30))
+
+
 def greedy_agreement(
     got_argmax: list[int], stock_logits: torch.Tensor, stock_tokens: list[int]
 ) -> tuple[float, list[str]]:
     """Share of steps whose greedy choice equals stock's, a step counting as equal when the
     two tokens are tied within NEAR_TIE_SIGMAS in stock's logits; and a description of each
     step that differs (its gap in sigmas)."""
-    rows = stock_logits.float()
-    sigmas = rows.std(dim=-1)
     equal, differing = 0, []
     for step, (got, ref) in enumerate(zip(got_argmax, stock_tokens)):
-        gap = float((rows[step, ref] - rows[step, got]) / sigmas[step].clamp_min(1e-30))
+        gap = gap_sigmas(stock_logits[step], ref, got)
         if got == ref or gap < NEAR_TIE_SIGMAS:
             equal += 1
         if got != ref:

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-from measures import NEAR_TIE_SIGMAS, greedy_agreement, row_cosines  # noqa: E402
+from measures import NEAR_TIE_SIGMAS, gap_sigmas, greedy_agreement, row_cosines  # noqa: E402
 
 
 def _logits(steps: int, vocab: int = 1000) -> torch.Tensor:
@@ -46,3 +46,11 @@ def test_row_cosines():
     rows = _logits(3)
     assert torch.allclose(row_cosines(rows, 2 * rows), torch.ones(3))
     assert torch.allclose(row_cosines(rows, -rows), -torch.ones(3))
+
+
+def test_gap_sigmas_is_the_lead_in_row_deviations():
+    row = torch.tensor([0.0, 1.0, 3.0, 3.0])
+    sigma = float(row.std())
+    assert gap_sigmas(row, 2, 3) == 0.0
+    assert gap_sigmas(row, 2, 1) == pytest.approx(2.0 / sigma)
+    assert gap_sigmas(row, 1, 2) == pytest.approx(-2.0 / sigma)

@@ -51,6 +51,7 @@ import scenarios as sc  # noqa: E402
 from engine_runs import FORCED_ON_STOCK, EngineRun, run_engine, run_engines  # noqa: E402
 from measures import (  # noqa: E402
     NEAR_TIE_SIGMAS,
+    gap_sigmas,
     greedy_agreement,
     rel_err,
     row_cosines,
@@ -76,6 +77,11 @@ MAX_MLA_ROW_REL_ERR = 0.05
 # runs stock's projections on views of its fused weights). Engines that hold different
 # weights give unrelated logits (cosine ~0), so this still proves the weights are the same.
 MIN_PREFILL_COSINE = 0.9999
+# Mixed traffic vs each request alone: a request whose tokens part from its lone run at a tie
+# of the lone run's logits (NEAR_TIE_SIGMAS) is compared up to there. 2026-12-01 (H200, hd.2):
+# one of 16 requests parted at a tie of 0 sigma, its 26th token of 32. At least this share of
+# all output tokens must stay compared, or the test would pass on little evidence.
+MIN_MIXED_COVERAGE = 0.8
 MAX_PREFILL_ROW_REL_ERR = 0.01
 
 
@@ -298,16 +304,19 @@ def test_mixed_traffic_tokens_equal_each_request_alone(
 ) -> None:
     """Prefills joining a running decode batch, a chunked prefill next to decodes, requests
     finishing, freed KV blocks / KDA slots taken again, padded graph rows: each request's
-    tokens equal those it gets alone in the same engine. Up to the first divergence (if any)
-    the logits must also agree with the lone run (cosine), which a request whose state was
+    tokens equal those it gets alone in the same engine, or part from them only at a tie of
+    the lone run's logits (MIN_MIXED_COVERAGE). Up to the first divergence (if any) the
+    logits must also agree with the lone run (cosine), which a request whose state was
     mixed up with another's fails at once."""
     mixed, alone = specialized.load(sc.MIXED_SCENARIO), specialized.load(sc.ALONE_SCENARIO)
     stock_mixed, stock_alone = stock.load(sc.MIXED_SCENARIO), stock.load(sc.ALONE_SCENARIO)
-    failures = []
+    failures, ties, compared, total = [], [], 0, 0
     for tag, alone_tokens in alone["tokens"].items():
         tokens = mixed["tokens"][tag]
         diverged = first_divergence(tokens, alone_tokens)
         last = len(alone_tokens) - 1 if diverged is None else diverged
+        compared += last + 1
+        total += len(alone_tokens)
         cosines = row_cosines(mixed["logits"][tag][: last + 1], alone["logits"][tag][: last + 1])
         low = (cosines < MIN_LOGITS_COSINE).nonzero().flatten().tolist()
         if low:
@@ -316,7 +325,15 @@ def test_mixed_traffic_tokens_equal_each_request_alone(
                 f"({[round(float(cosines[i]), 5) for i in low[:5]]})"
             )
         if diverged is not None:
-            ids, values = _top2(alone["logits"][tag][diverged])
+            alone_row = alone["logits"][tag][diverged]
+            gap = gap_sigmas(alone_row, alone_tokens[diverged], tokens[diverged])
+            if gap < NEAR_TIE_SIGMAS:
+                # A tie in the lone run's own logits, flipped by the other rows' bf16 noise
+                # (the kernels' reduction order depends on the batch): nothing after it is
+                # comparable, and everything up to it passed the cosine check above.
+                ties.append(f"{tag} at {diverged} of {len(alone_tokens)} ({gap:.4f} sigma)")
+                continue
+            ids, values = _top2(alone_row)
             stock_diverged = first_divergence(
                 stock_mixed["tokens"][tag], stock_alone["tokens"][tag]
             )
@@ -327,6 +344,12 @@ def test_mixed_traffic_tokens_equal_each_request_alone(
                 f"stock under the same traffic: "
                 + ("identical" if stock_diverged is None else f"differs at {stock_diverged}")
             )
+    print(f"\nmixed traffic: {compared} of {total} tokens compared; ties: {ties or 'none'}")
+    if compared < MIN_MIXED_COVERAGE * total:
+        failures.append(
+            f"only {compared} of {total} tokens compared (< {MIN_MIXED_COVERAGE:.0%}): "
+            f"too many requests ended their comparison at a tie ({ties})"
+        )
     assert not failures, "\n".join(failures)
 
 
