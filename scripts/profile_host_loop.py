@@ -11,13 +11,14 @@ without one: it wraps the engine core's step and the model runner's and schedule
 with perf_counter (in the engine-core process, through collective_rpc) while N requests
 decode, then runs cProfile over one more request for the functions behind them.
 
-    python3 scripts/profile_host_loop.py --out-dir /tmp/hl [--backend auto] [--n 1,2,4]
-    sh ci/gpu/device_session.sh host-loop      # both engines, on the offline H200
+    python3 scripts/profile_host_loop.py --out-dir /tmp/hl [--backend auto] [--runner v2]
+    sh ci/gpu/device_session.sh host-loop [BACKEND[:RUNNER]...]    # on the offline H200
 
-Writes <out-dir>/host_loop-<backend>.json (inter-token latency and, per wrapped phase, the
-median microseconds per call and calls per decode step, for each N) and
-host_loop-<backend>-cprofile.txt (cProfile of one N = 1 request, by cumulative and by own
-time). Prints the table.
+Writes <out-dir>/host_loop-<backend>-<runner>.json (inter-token latency and, per wrapped
+phase, the median microseconds per call and calls per decode step, for each N) and
+host_loop-<backend>-<runner>-cprofile.txt (cProfile of one N = 1 request, by cumulative and
+by own time). Prints the table. `--runner v2` runs vLLM's Model Runner V2, whose host loop
+is built to be leaner; stock Kimi-Linear on it tells whether supporting it is worth it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ CPROFILE_ROWS = 70
 RUNNER_PHASES = (
     "execute_model",
     "sample_tokens",
+    # the V1 runner (vllm/v1/worker/gpu_model_runner.py)
     "_update_states",
     "_prepare_inputs",
     "_build_attention_metadata",
@@ -57,7 +59,15 @@ RUNNER_PHASES = (
     "_preprocess",
     "_sample",
     "_bookkeeping_sync",
+    # the V2 runner (vllm/v1/worker/gpu/model_runner.py)
+    "add_requests",
+    "update_requests",
+    "prepare_inputs",
+    "prepare_attn",
+    "sample",
+    "postprocess_sampled",
 )
+RUNNERS = ("v1", "v2")
 SCHEDULER_PHASES = ("schedule", "update_from_output")
 CORE_PHASES = ("_process_engine_step", "step_fn")
 
@@ -89,7 +99,8 @@ def install_timers(worker) -> list[str]:
     missing = []
     runner_cls = type(worker.model_runner)
     for name in RUNNER_PHASES:
-        if hasattr(runner_cls, name):
+        # Only the runner's own methods: each runner has about half of the names.
+        if name in vars(runner_cls):
             setattr(runner_cls, name, timed(f"runner.{name}", getattr(runner_cls, name)))
         else:
             missing.append(f"runner.{name}")
@@ -145,7 +156,7 @@ def phase_table(samples: dict[str, list[float]], steps: int) -> dict[str, dict]:
     }
 
 
-def run(model_dir: Path, backend: str, ns: list[int]) -> tuple[dict, str]:
+def run(model_dir: Path, backend: str, runner: str, ns: list[int]) -> tuple[dict, str]:
     import asyncio
     import time
 
@@ -168,7 +179,7 @@ def run(model_dir: Path, backend: str, ns: list[int]) -> tuple[dict, str]:
         return await asyncio.gather(*(request(f"{tag}-{i}", max_tokens) for i in range(n)))
 
     async def main() -> tuple[dict, str]:
-        result = {"backend": backend, "tokens": TOKENS, "per_n": {}}
+        result = {"backend": backend, "runner": runner, "tokens": TOKENS, "per_n": {}}
         await batch("settle", 1, TOKENS)
         result["missing_phases"] = (await engine.collective_rpc(install_timers))[0]
         for n in ns:
@@ -195,18 +206,28 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--backend", default="latency_specialized")
+    ap.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="v1",
+        help="vLLM's model runner (v2: VLLM_USE_V2_MODEL_RUNNER=1; the specialized decode "
+        "refuses it)",
+    )
     ap.add_argument("--n", default="1,2,4")
     ap.add_argument(
         "--triton-cache", type=Path, help="one Triton cache shared with make bench's engines"
     )
     args = ap.parse_args()
     os.environ.update(worker_env(os.environ, args.triton_cache))
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     # collective_rpc with functions needs vLLM's pickle-based serialization.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    result, text = run(args.model_dir, args.backend, [int(n) for n in args.n.split(",")])
+    ns = [int(n) for n in args.n.split(",")]
+    result, text = run(args.model_dir, args.backend, args.runner, ns)
+    name = f"host_loop-{args.backend}-{args.runner}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"host_loop-{args.backend}.json").write_text(json.dumps(result, indent=2))
-    (args.out_dir / f"host_loop-{args.backend}-cprofile.txt").write_text(text)
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (args.out_dir / f"{name}-cprofile.txt").write_text(text)
     for n, row in result["per_n"].items():
         print(f"\nN = {n}: inter-token latency {row['itl_ms']:.3f} ms")
         for key, phase in row["phases"].items():

@@ -7,8 +7,9 @@
 #                                        # judging (~9 min); needs .gpu-bundle/serve carried
 #   sh ci/gpu/device_session.sh bench-stock        # make bench, roles auto + experts (~7 min)
 #   sh ci/gpu/device_session.sh bench-specialized  # make bench, role latency_specialized (~7 min)
-#   sh ci/gpu/device_session.sh host-loop          # host time per decode step by phase
-#                                                  # (scripts/profile_host_loop.py, ~5 min)
+#   sh ci/gpu/device_session.sh host-loop [BACKEND[:RUNNER]...]  # host time per decode
+#                                        # step by phase (scripts/profile_host_loop.py,
+#                                        # ~2.5 min per engine), e.g. auto:v2
 #   sh ci/gpu/device_session.sh upstream-gpu PATH...  # part of upstream's GPU allow-list
 #                                        # (ci/upstream_tests.yaml); carry build/upstream-tests
 #                                        # and .gpu-bundle/upstream-tests (its test packages:
@@ -74,12 +75,18 @@ bench-specialized)
     bench_role latency_specialized
     ;;
 host-loop)
-    # Host time per decode step by phase, unprofiled, then cProfile (~2.5 min per engine).
-    for backend in latency_specialized auto; do
-        timeout 270 python3 scripts/profile_host_loop.py --out-dir "$OUT" \
-            --backend "$backend" --triton-cache "$TRITON" > "/tmp/hd-host-$backend.log" 2>&1
-        echo "host loop $backend: exit $?"
-        grep -v "Autotuning kernel" "/tmp/hd-host-$backend.log" | tail -40
+    # Host time per decode step by phase, unprofiled, then cProfile (~2.5 min per engine);
+    # engines as BACKEND[:RUNNER], default the specialized and the stock one on runner v1.
+    shift
+    [ $# -gt 0 ] || set -- latency_specialized auto
+    for engine in "$@"; do
+        backend="${engine%%:*}"
+        runner=v1
+        [ "$engine" != "$backend" ] && runner="${engine#*:}"
+        timeout 270 python3 scripts/profile_host_loop.py --out-dir "$OUT" --backend "$backend" \
+            --runner "$runner" --triton-cache "$TRITON" > "/tmp/hd-host-$engine.log" 2>&1
+        echo "host loop $engine: exit $?"
+        grep -v "Autotuning kernel" "/tmp/hd-host-$engine.log" | tail -40
     done
     ;;
 upstream-gpu)
