@@ -9,7 +9,8 @@ for the next cudaGraphLaunch, which the engine-core thread issued ~2.4 ms after 
 preparing the step. A profiler slows the host it measures, so this script times the host
 without one: it wraps the engine core's step and the model runner's and scheduler's phases
 with perf_counter (in the engine-core process, through collective_rpc) while N requests
-decode, then runs cProfile over one more request for the functions behind them.
+decode, records kernels only (no CPU activity) over another batch to get the share of the
+step the GPU waits, then runs cProfile over one more request for the functions behind them.
 
     python3 scripts/profile_host_loop.py --out-dir /tmp/hl [--backend auto] [--runner v2]
     sh ci/gpu/device_session.sh host-loop [BACKEND[:RUNNER]...]    # on the offline H200
@@ -44,6 +45,9 @@ from bench_decode import (  # noqa: E402
 
 TOKENS = 256
 CPROFILE_TOKENS = 128
+# A kernel-only trace of this many tokens per N: how much of the step the GPU waits unprofiled.
+GPU_TRACE_TOKENS = 128
+GPU_WINDOW_SKIP = 0.2
 CPROFILE_ROWS = 70
 # (owner, method): the engine core's loop iteration and step, the scheduler's two calls and
 # the model runner's phases of a step (vLLM 0.26.0 names; a missing one is reported, not
@@ -144,6 +148,44 @@ def stop_cprofile(worker) -> str:
     return text.getvalue()
 
 
+def start_cuda_trace(worker) -> None:
+    """Kernel activity only: no CPU-side recording, so the host runs at its own speed."""
+    import torch
+
+    worker._hd_trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    worker._hd_trace.__enter__()
+
+
+def stop_cuda_trace(worker) -> list[tuple[float, float]]:
+    """(start, duration) in microseconds of every kernel the trace saw."""
+    import json
+    import tempfile
+
+    worker._hd_trace.__exit__(None, None, None)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        worker._hd_trace.export_chrome_trace(f.name)
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
+    return [(e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel"]
+
+
+def gpu_idle_share(kernels: list[tuple[float, float]], skip: float = GPU_WINDOW_SKIP) -> dict:
+    """Share of time the GPU ran no kernel, over the middle of the trace (the first and last
+    ``skip`` of its span left out: the prefill and the request's end)."""
+    kernels = sorted(kernels)
+    if not kernels:
+        return {"idle_share": None, "window_us": 0.0}
+    first, last = kernels[0][0], max(start + dur for start, dur in kernels)
+    lo, hi = first + skip * (last - first), last - skip * (last - first)
+    busy, busy_end = 0.0, lo
+    for start, dur in kernels:
+        start, end = max(start, busy_end), min(start + dur, hi)
+        if end > start:
+            busy += end - start
+            busy_end = end
+    return {"idle_share": 1.0 - busy / (hi - lo), "window_us": hi - lo}
+
+
 def phase_table(samples: dict[str, list[float]], steps: int) -> dict[str, dict]:
     """Median microseconds per call and calls per decode step, per phase."""
     return {
@@ -188,8 +230,15 @@ def run(model_dir: Path, backend: str, runner: str, ns: list[int]) -> tuple[dict
             chunks = await batch(f"n{n}", n, TOKENS)
             samples = (await engine.collective_rpc(take_timers))[0]
             itl = statistics.median(s for ch in chunks for s in itl_samples(ch)) * 1e3
-            result["per_n"][str(n)] = {"itl_ms": itl, "phases": phase_table(samples, TOKENS)}
-            print(f"{backend} N={n}: inter-token latency {itl:.3f} ms", flush=True)
+            await engine.collective_rpc(start_cuda_trace)
+            await batch(f"gpu{n}", n, GPU_TRACE_TOKENS)
+            gpu = gpu_idle_share((await engine.collective_rpc(stop_cuda_trace))[0])
+            result["per_n"][str(n)] = {
+                "itl_ms": itl,
+                "gpu": gpu,
+                "phases": phase_table(samples, TOKENS),
+            }
+            print(f"{backend} N={n}: inter-token latency {itl:.3f} ms, GPU idle {gpu}", flush=True)
         await engine.collective_rpc(start_cprofile)
         await batch("cprofile", 1, CPROFILE_TOKENS)
         text = (await engine.collective_rpc(stop_cprofile))[0]
@@ -229,7 +278,11 @@ def main() -> int:
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
     (args.out_dir / f"{name}-cprofile.txt").write_text(text)
     for n, row in result["per_n"].items():
-        print(f"\nN = {n}: inter-token latency {row['itl_ms']:.3f} ms")
+        idle = row["gpu"]["idle_share"]
+        print(
+            f"\nN = {n}: inter-token latency {row['itl_ms']:.3f} ms; GPU idle "
+            + ("?" if idle is None else f"{idle:.1%} (~{idle * row['itl_ms']:.3f} ms per step)")
+        )
         for key, phase in row["phases"].items():
             print(
                 f"  {key:50s} {phase['median_us']:8.1f} us median "

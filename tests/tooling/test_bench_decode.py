@@ -298,3 +298,15 @@ def test_host_loop_phase_table():
     assert table["runner.execute_model"] == pytest.approx(
         {"median_us": 2000.0, "mean_us": 2000.0, "calls_per_step": 1.0}
     )
+
+
+def test_gpu_idle_share_counts_the_gaps_in_the_middle_of_the_trace():
+    import profile_host_loop
+
+    # 0..100 us: busy 0-10, 20-30 (overlapping 25-35), 50-90; window 20..80 with skip 0.2.
+    kernels = [(0.0, 10.0), (20.0, 10.0), (25.0, 10.0), (50.0, 40.0), (99.0, 1.0)]
+    got = profile_host_loop.gpu_idle_share(kernels, skip=0.2)
+    assert got["window_us"] == pytest.approx(60.0)
+    # busy in the window: 20-35 and 50-80 = 45 of 60
+    assert got["idle_share"] == pytest.approx(15.0 / 60.0)
+    assert profile_host_loop.gpu_idle_share([])["idle_share"] is None
