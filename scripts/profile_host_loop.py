@@ -108,13 +108,16 @@ def install_timers(worker) -> list[str]:
             setattr(runner_cls, name, timed(f"runner.{name}", getattr(runner_cls, name)))
         else:
             missing.append(f"runner.{name}")
-    for name in SCHEDULER_PHASES:
-        if hasattr(Scheduler, name):
-            setattr(Scheduler, name, timed(f"scheduler.{name}", getattr(Scheduler, name)))
-        else:
-            missing.append(f"scheduler.{name}")
     # The busy loop calls bound methods held by the engine-core object: wrap the instance.
     cores = [o for o in gc.get_objects() if isinstance(o, EngineCore)]
+    # The scheduler actually in use (with async scheduling a subclass of Scheduler).
+    scheduler_cls = type(cores[0].scheduler) if cores else Scheduler
+    for name in SCHEDULER_PHASES:
+        if hasattr(scheduler_cls, name):
+            wrapped = timed(f"scheduler.{name}", getattr(scheduler_cls, name))
+            setattr(scheduler_cls, name, wrapped)
+        else:
+            missing.append(f"scheduler.{name}")
     for name in CORE_PHASES:
         if cores and hasattr(cores[0], name):
             setattr(cores[0], name, timed(f"core.{name}", getattr(cores[0], name)))
