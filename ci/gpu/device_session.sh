@@ -17,8 +17,8 @@
 #
 # The bench roles keep their results in /tmp/hd-bench (same host, back-to-back calls); the
 # second one writes decode.{json,md} (with the e2e correctness record when `e2e` ran on this
-# host) and both copy what they have to $OUT, with each engine's profiler traces at N = 1, 2. Render the plot here: bench_decode.py
-# --render-only --out-dir docs/perf.
+# host) and both copy what they have to $OUT, with each engine's profiler traces at N = 1
+# and 2. Render the plot here: bench_decode.py --render-only --out-dir docs/perf.
 set -u
 : "${OUT:?run on the device host, where OUT is set}"
 RUNS="${HD_BENCH_RUNS:-1}"

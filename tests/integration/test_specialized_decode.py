@@ -77,12 +77,12 @@ MAX_MLA_ROW_REL_ERR = 0.05
 # runs stock's projections on views of its fused weights). Engines that hold different
 # weights give unrelated logits (cosine ~0), so this still proves the weights are the same.
 MIN_PREFILL_COSINE = 0.9999
+MAX_PREFILL_ROW_REL_ERR = 0.01
 # Mixed traffic vs each request alone: a request whose tokens part from its lone run at a tie
 # of the lone run's logits (NEAR_TIE_SIGMAS) is compared up to there. 2026-12-01 (H200, hd.2):
 # one of 16 requests parted at a tie of 0 sigma, its 26th token of 32. At least this share of
 # all output tokens must stay compared, or the test would pass on little evidence.
 MIN_MIXED_COVERAGE = 0.8
-MAX_PREFILL_ROW_REL_ERR = 0.01
 
 
 # --- engine runs ---------------------------------------------------------------------------
