@@ -15,8 +15,8 @@ step the GPU waits, then runs cProfile over one more request for the functions b
     python3 scripts/profile_host_loop.py --out-dir /tmp/hl [--backend auto] [--runner v2]
     sh ci/gpu/device_session.sh host-loop [BACKEND[:RUNNER]...]    # on the offline H200
 
-Writes <out-dir>/host_loop-<backend>-<runner>.json (inter-token latency and, per wrapped
-phase, the median microseconds per call and calls per decode step, for each N) and
+Writes <out-dir>/host_loop-<backend>-<runner>.json (inter-token latency, the GPU's idle
+share and, per wrapped phase, microseconds per decode step and per call, for each N) and
 host_loop-<backend>-<runner>-cprofile.txt (cProfile of one N = 1 request, by cumulative and
 by own time). Prints the table. `--runner v2` runs vLLM's Model Runner V2, whose host loop
 is built to be leaner; stock Kimi-Linear on it tells whether supporting it is worth it.
@@ -190,9 +190,12 @@ def gpu_idle_share(kernels: list[tuple[float, float]], skip: float = GPU_WINDOW_
 
 
 def phase_table(samples: dict[str, list[float]], steps: int) -> dict[str, dict]:
-    """Median microseconds per call and calls per decode step, per phase."""
+    """Per phase: microseconds per decode step (all its calls), per call (median, mean)
+    and calls per step (the engine core's loop runs more often than it executes the model
+    under async scheduling, so per-call medians can mix two kinds of call)."""
     return {
         key: {
+            "us_per_step": sum(values) * 1e6 / steps,
             "median_us": statistics.median(values) * 1e6,
             "mean_us": statistics.mean(values) * 1e6,
             "calls_per_step": len(values) / steps,
@@ -288,8 +291,8 @@ def main() -> int:
         )
         for key, phase in row["phases"].items():
             print(
-                f"  {key:50s} {phase['median_us']:8.1f} us median "
-                f"{phase['calls_per_step']:5.2f} calls / step"
+                f"  {key:45s} {phase['us_per_step']:8.1f} us / step "
+                f"{phase['median_us']:8.1f} us median {phase['calls_per_step']:5.2f} calls"
             )
     if result["missing_phases"]:
         print(f"not wrapped (not found): {result['missing_phases']}")

@@ -296,8 +296,10 @@ def test_host_loop_phase_table():
 
     table = profile_host_loop.phase_table({"runner.execute_model": [1e-3, 3e-3, 2e-3]}, 3)
     assert table["runner.execute_model"] == pytest.approx(
-        {"median_us": 2000.0, "mean_us": 2000.0, "calls_per_step": 1.0}
+        {"us_per_step": 2000.0, "median_us": 2000.0, "mean_us": 2000.0, "calls_per_step": 1.0}
     )
+    halves = profile_host_loop.phase_table({"core.step_fn": [1e-3, 3e-3]}, 1)
+    assert halves["core.step_fn"]["us_per_step"] == pytest.approx(4000.0)
 
 
 def test_gpu_idle_share_counts_the_gaps_in_the_middle_of_the_trace():
