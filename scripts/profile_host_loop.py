@@ -213,18 +213,18 @@ def run(model_dir: Path, backend: str, runner: str, ns: list[int]) -> tuple[dict
 
     engine = AsyncLLM.from_engine_args(_engine_args(model_dir, backend, max(ns)))
 
-    async def request(rid: str, max_tokens: int) -> list:
+    async def request(rid: str, index: int, max_tokens: int) -> list:
         params = SamplingParams(
             max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )  # fmt: skip
         chunks = []
-        async for out in engine.generate(_prompt(0, PROMPT_TOKENS), params, rid):
+        async for out in engine.generate(_prompt(index, PROMPT_TOKENS), params, rid):
             chunks.append((time.perf_counter(), len(out.outputs[0].token_ids)))
         return chunks
 
     async def batch(tag: str, n: int, max_tokens: int) -> list:
-        return await asyncio.gather(*(request(f"{tag}-{i}", max_tokens) for i in range(n)))
+        return await asyncio.gather(*(request(f"{tag}-{i}", i, max_tokens) for i in range(n)))
 
     async def main() -> tuple[dict, str]:
         result = {"backend": backend, "runner": runner, "tokens": TOKENS, "per_n": {}}
