@@ -388,6 +388,27 @@ def _engine_args(model_dir: Path, backend: str, max_num_seqs: int, **extra):
     )
 
 
+async def stream_batch(engine, tag: str, n: int, prompt_len: int, max_tokens: int) -> list:
+    """N requests started together on an AsyncLLM (greedy, ignore_eos, streamed deltas):
+    per request its chunks as (arrival time, tokens in the chunk)."""
+    import asyncio
+    import time
+
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    async def request(rid: str, prompt: dict) -> list:
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )  # fmt: skip
+        chunks = []
+        async for out in engine.generate(prompt, params, rid):
+            chunks.append((time.perf_counter(), len(out.outputs[0].token_ids)))
+        return chunks
+
+    return await asyncio.gather(*(request(f"{tag}-{i}", _prompt(i, prompt_len)) for i in range(n)))
+
+
 def _prompt(i: int, length: int) -> dict:
     return {"prompt_token_ids": [1000 + 7 * i + j for j in range(length)]}
 
@@ -401,7 +422,6 @@ def run_backend(
     import time
 
     from vllm.config import ProfilerConfig
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
     trace_dir = Path(tempfile.mkdtemp(prefix=f"hd-trace-{backend}-"))
@@ -417,20 +437,8 @@ def run_backend(
         _engine_args(model_dir, backend, max(ns), profiler_config=profiler)
     )
 
-    async def request(rid: str, prompt: dict, max_tokens: int) -> list:
-        params = SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-        )  # fmt: skip
-        chunks = []
-        async for out in engine.generate(prompt, params, rid):
-            chunks.append((time.perf_counter(), len(out.outputs[0].token_ids)))
-        return chunks
-
     async def batch(tag: str, n: int, prompt_len: int, max_tokens: int) -> list:
-        return await asyncio.gather(
-            *(request(f"{tag}-{i}", _prompt(i, prompt_len), max_tokens) for i in range(n))
-        )
+        return await stream_batch(engine, tag, n, prompt_len, max_tokens)
 
     async def main() -> dict:
         result = {"step_ms": {}, "step_ms_runs": {}, "runs": runs}

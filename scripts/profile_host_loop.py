@@ -38,8 +38,8 @@ from bench_decode import (  # noqa: E402
     DEFAULT_MODEL_DIR,
     PROMPT_TOKENS,
     _engine_args,
-    _prompt,
     itl_samples,
+    stream_batch,
     worker_env,
 )
 
@@ -206,25 +206,13 @@ def phase_table(samples: dict[str, list[float]], steps: int) -> dict[str, dict]:
 
 def run(model_dir: Path, backend: str, runner: str, ns: list[int]) -> tuple[dict, str]:
     import asyncio
-    import time
 
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
     engine = AsyncLLM.from_engine_args(_engine_args(model_dir, backend, max(ns)))
 
-    async def request(rid: str, index: int, max_tokens: int) -> list:
-        params = SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-        )  # fmt: skip
-        chunks = []
-        async for out in engine.generate(_prompt(index, PROMPT_TOKENS), params, rid):
-            chunks.append((time.perf_counter(), len(out.outputs[0].token_ids)))
-        return chunks
-
     async def batch(tag: str, n: int, max_tokens: int) -> list:
-        return await asyncio.gather(*(request(f"{tag}-{i}", i, max_tokens) for i in range(n)))
+        return await stream_batch(engine, tag, n, PROMPT_TOKENS, max_tokens)
 
     async def main() -> tuple[dict, str]:
         result = {"backend": backend, "runner": runner, "tokens": TOKENS, "per_n": {}}

@@ -312,3 +312,24 @@ def test_gpu_idle_share_counts_the_gaps_in_the_middle_of_the_trace():
     # busy in the window: 20-35 and 50-80 = 45 of 60
     assert got["idle_share"] == pytest.approx(15.0 / 60.0)
     assert profile_host_loop.gpu_idle_share([])["idle_share"] is None
+
+
+def test_stream_batch_starts_n_requests_and_keeps_each_ones_chunks():
+    pytest.importorskip("vllm", reason="vLLM (the wheel venv) is needed for SamplingParams")
+    import asyncio
+    from types import SimpleNamespace
+
+    seen = []
+
+    class FakeEngine:
+        async def generate(self, prompt, params, rid):
+            seen.append((rid, prompt["prompt_token_ids"], params.max_tokens))
+            for tokens in ([1], [2, 3]):
+                yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens)])
+
+    got = asyncio.run(bench.stream_batch(FakeEngine(), "t", 2, 4, 3))
+    assert [[n for _, n in chunks] for chunks in got] == [[1, 2], [1, 2]]
+    assert seen == [
+        ("t-0", bench._prompt(0, 4)["prompt_token_ids"], 3),
+        ("t-1", bench._prompt(1, 4)["prompt_token_ids"], 3),
+    ]
