@@ -10,13 +10,16 @@ preparing the step. A profiler slows the host it measures, so this script times 
 without one: it wraps the engine core's step and the model runner's and scheduler's phases
 with perf_counter (in the engine-core process, through collective_rpc) while N requests
 decode, records kernels only (no CPU activity) over another batch to get the share of the
-step the GPU waits, then runs cProfile over one more request for the functions behind them.
+step the GPU waits, replays each captured decode graph back to back (its GPU time with no host
+in the way), then runs cProfile over one more request for the functions behind them.
+Results of 2026-12-01: docs/perf/host_loop.md.
 
     python3 scripts/profile_host_loop.py --out-dir /tmp/hl [--backend auto] [--runner v2]
     sh ci/gpu/device_session.sh host-loop [BACKEND[:RUNNER]...]    # on the offline H200
 
 Writes <out-dir>/host_loop-<backend>-<runner>.json (inter-token latency, the GPU's idle
-share and, per wrapped phase, microseconds per decode step and per call, for each N) and
+share and, per wrapped phase, microseconds per decode step and per call, for each N; the
+graph replay times) and
 host_loop-<backend>-<runner>-cprofile.txt (cProfile of one N = 1 request, by cumulative and
 by own time). Prints the table. `--runner v2` runs vLLM's Model Runner V2, whose host loop
 is built to be leaner; stock Kimi-Linear on it tells whether supporting it is worth it.
@@ -74,6 +77,26 @@ RUNNER_PHASES = (
 RUNNERS = ("v1", "v2")
 SCHEDULER_PHASES = ("schedule", "update_from_output")
 CORE_PHASES = ("_process_engine_step", "step_fn")
+# (module, class, method): what the runner phases call, where the host time may sit
+# (graph launch, the metadata builders of the KDA and MLA groups, logits, sampling).
+CALLEE_PHASES = (
+    ("vllm.compilation.cuda_graph", "CUDAGraphWrapper", "__call__"),
+    ("vllm.v1.attention.backends.gdn_attn", "GDNAttentionMetadataBuilder", "build"),
+    ("vllm.model_executor.layers.attention.mla_attention", "MLACommonMetadataBuilder", "build"),
+    (
+        "vllm.v1.attention.backends.mla.flashattn_mla",
+        "FlashAttnMLAMetadataBuilder",
+        "_build_decode",
+    ),
+    ("vllm.v1.sample.sampler", "Sampler", "forward"),
+    ("vllm.v1.worker.gpu_model_runner", "AsyncGPUModelRunnerOutput", "get_output"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_get_slot_mappings"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
+)
+# Back-to-back replays of each captured decode graph, timed with events: the GPU time of
+# a step's graph with no host in the way.
+GRAPH_REPLAYS = 50
+GRAPH_SIZES = (1, 2, 4, 8)
 
 
 def install_timers(worker) -> list[str]:
@@ -123,7 +146,60 @@ def install_timers(worker) -> list[str]:
             setattr(cores[0], name, timed(f"core.{name}", getattr(cores[0], name)))
         else:
             missing.append(f"core.{name}")
+    import importlib
+
+    for module, cls_name, name in CALLEE_PHASES:
+        cls = getattr(importlib.import_module(module), cls_name, None)
+        if cls is not None and name in vars(cls):
+            setattr(cls, name, timed(f"{cls_name}.{name}", vars(cls)[name]))
+        else:
+            missing.append(f"{cls_name}.{name}")
+    model_cls = type(worker.model_runner.get_model())
+    if "compute_logits" in vars(model_cls):
+        wrapped = timed("model.compute_logits", vars(model_cls)["compute_logits"])
+        model_cls.compute_logits = wrapped
+    else:
+        missing.append("model.compute_logits")
     return missing
+
+
+def time_graph_replays(worker) -> dict[str, dict]:
+    """Per captured FULL decode graph of a size in GRAPH_SIZES: GPU milliseconds per replay
+    over GRAPH_REPLAYS back-to-back replays (events), and the host microseconds one
+    replay() call takes when the GPU is busy. Run with no request in flight: the replays
+    rewrite the last step's cache rows and states, which nothing reads any more."""
+    import time
+
+    import torch
+
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    model = worker.model_runner.model
+    if not isinstance(model, CUDAGraphWrapper):
+        return {"error": f"runner.model is a {type(model).__name__}, not a CUDAGraphWrapper"}
+    result = {}
+    for descriptor, entry in model.concrete_cudagraph_entries.items():
+        if entry.cudagraph is None or descriptor.num_tokens not in GRAPH_SIZES:
+            continue
+        if not descriptor.uniform:
+            continue
+        graph = entry.cudagraph
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host = []
+        start.record()
+        for _ in range(GRAPH_REPLAYS):
+            t0 = time.perf_counter()
+            graph.replay()
+            host.append(time.perf_counter() - t0)
+        end.record()
+        torch.cuda.synchronize()
+        result[str(descriptor.num_tokens)] = {
+            "gpu_ms_per_replay": start.elapsed_time(end) / GRAPH_REPLAYS,
+            "host_us_per_replay_call": sorted(host)[len(host) // 2] * 1e6,
+        }
+    return result
 
 
 def take_timers(worker) -> dict[str, list[float]]:
@@ -233,6 +309,8 @@ def run(model_dir: Path, backend: str, runner: str, ns: list[int]) -> tuple[dict
                 "phases": phase_table(samples, TOKENS),
             }
             print(f"{backend} N={n}: inter-token latency {itl:.3f} ms, GPU idle {gpu}", flush=True)
+        result["graph_replays"] = (await engine.collective_rpc(time_graph_replays))[0]
+        print(f"{backend} graph replays: {result['graph_replays']}", flush=True)
         await engine.collective_rpc(start_cprofile)
         await batch("cprofile", 1, CPROFILE_TOKENS)
         text = (await engine.collective_rpc(stop_cprofile))[0]
@@ -281,6 +359,12 @@ def main() -> int:
             print(
                 f"  {key:45s} {phase['us_per_step']:8.1f} us / step "
                 f"{phase['median_us']:8.1f} us median {phase['calls_per_step']:5.2f} calls"
+            )
+    for n, row in sorted(result.get("graph_replays", {}).items()):
+        if isinstance(row, dict):
+            print(
+                f"graph N = {n}: GPU {row['gpu_ms_per_replay']:.3f} ms per replay, "
+                f"replay() call {row['host_us_per_replay_call']:.1f} us"
             )
     if result["missing_phases"]:
         print(f"not wrapped (not found): {result['missing_phases']}")

@@ -140,7 +140,8 @@ def _engine_env(root: Path) -> dict[str, str]:
     # vLLM points TRITON_CACHE_DIR at a folder named by the engine's compile hash, which
     # differs per engine kind, so every engine re-ran the ~80 s autotuning of the KDA prefill
     # kernels; engine_session.py shares one folder for the runs after engine start.
-    env["HD_TRITON_CACHE_DIR"] = str(root / "triton_cache")
+    # A folder the caller names (the device session's, carried between hosts) wins.
+    env.setdefault("HD_TRITON_CACHE_DIR", str(root / "triton_cache"))
     for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_BREAKABLE_CUDAGRAPH"):
         env.pop(name, None)  # the default deployment
     return env

@@ -297,19 +297,29 @@ def free_caches(model: nn.Module) -> None:
             layer.self_attn.kv_cache = []
 
 
+# KDA layers -> KV-cache group, as vLLM groups equal-sized layer sets: two groups here.
+KDA_GROUP = {0: 0, 1: 0, 2: 1}
+
+
+def kda_common_metadata(group: int, batch: int) -> SimpleNamespace:
+    """What the patched runner hands a KDA layer it does not build for: its group's
+    CommonAttentionMetadata; block-table column 0 holds each row's state slot."""
+    table = torch.zeros(max(16, batch), 4, dtype=torch.int32)
+    table[:batch, 0] = torch.arange(1, batch + 1, dtype=torch.int32) + 100 * group
+    table[:batch, 1:] = -7  # the other columns are never read
+    return SimpleNamespace(block_table_tensor=table[:batch], max_query_len=1)
+
+
 def forward_context(model: nn.Module, batch: int, **overrides: Any) -> SimpleNamespace:
     metadata, slot_mapping = {}, {}
-    for layer in model.model.layers:
+    groups = [kda_common_metadata(g, batch) for g in sorted(set(KDA_GROUP.values()))]
+    for i, layer in enumerate(model.model.layers):
         if hasattr(layer.self_attn, "mla_attn"):
             name = layer.self_attn.mla_attn.mla_attn.layer_name
             metadata[name] = SimpleNamespace(num_prefills=0, decode=SimpleNamespace())
             slot_mapping[name] = torch.arange(batch)
         else:
-            metadata[layer.self_attn.prefix] = SimpleNamespace(
-                num_prefills=0,
-                num_spec_decodes=0,
-                non_spec_state_indices_tensor=torch.arange(1, batch + 1, dtype=torch.int32),
-            )
+            metadata[layer.self_attn.prefix] = groups[KDA_GROUP[i]]
     fields = dict(
         attn_metadata=metadata,
         slot_mapping=slot_mapping,
@@ -428,14 +438,31 @@ def test_moe_backend_that_repacks_the_experts_is_refused():
 def test_plan_is_the_op_sequence_of_each_layer_kind():
     _, executor, _ = build()
     ops = [(s.layer, s.op) for s in executor.plan]
-    kda = ["kda_in_proj", "kda_fa_ga", "kda_fgb", "kda_step", "o_proj"]
+    kda = ["kda_fa_ga", "kda_fgb", "kda_in_proj", "kda_step", "o_proj"]
     mla = ["mla_qkv_a", "mla_kv_a_norm", "mla_decode", "o_proj"]
-    expected = [(-1, "embedding"), (-1, "input_norm")]
+    expected = [(-1, "kda_state_slots"), (-1, "embedding"), (-1, "input_norm")]
     expected += [(0, op) for op in kda + ["mlp_gate_up", "mlp_down"]]
     expected += [(1, op) for op in kda + ["moe"]]
     expected += [(2, op) for op in kda + ["moe"]]
     expected += [(3, op) for op in mla + ["moe"]]
     assert ops == expected
+
+
+def test_every_buffer_a_step_reads_was_written_earlier_in_its_layer():
+    # Scratch buffers are reused by every layer: a read must see this layer's write,
+    # the residual stream and the normed input may come from the layer before.
+    _, executor, _ = build()
+    last_writer = {"input_ids": -1}
+    for step in executor.plan:
+        for name in step.reads:
+            assert name in last_writer, step
+            if name in ("input_ids", "kda_slots"):  # written once per step, up front
+                assert last_writer[name] == -1, (step, name)
+                continue
+            carried = name.startswith(("residual", "x"))
+            allowed = (step.layer, step.layer - 1) if carried else (step.layer,)
+            assert last_writer[name] in allowed, (step, name, last_writer[name])
+        last_writer.update(dict.fromkeys(step.writes, step.layer))
 
 
 def test_residual_and_activation_buffers_alternate_and_the_output_is_the_last_write():
@@ -477,9 +504,13 @@ def test_run_launches_the_plan_on_static_buffers(batch):
     assert kinds.count("embedding") == 1 and kinds.count("kda") == 3
     assert kinds.count("moe") == 3 and kinds.count("rms_norm") == 2
     assert kinds.count("gemm") == 3 * 4 + 2 + 2
+    # Each group's slots are gathered once into a static row the group's layers share.
     kda_slots = [entry[2][6] for entry in kernels.log if entry[0] == "kda"]
-    assert all(s is fc.attn_metadata[f"model.layers.{i}.self_attn"].non_spec_state_indices_tensor
-               for i, s in enumerate(kda_slots))  # fmt: skip
+    for i, slots in enumerate(kda_slots):
+        table = fc.attn_metadata[f"model.layers.{i}.self_attn"].block_table_tensor
+        assert torch.equal(slots[:batch], table[:batch, 0])
+        assert slots.is_contiguous()
+    assert kda_slots[0] is kda_slots[1] and kda_slots[1] is not kda_slots[2]
     impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
     assert [c[0] for c in impl.calls] == ["cache_update", "forward_mqa"]
     assert impl.calls[0][2] is fc.slot_mapping["model.layers.3.self_attn.attn"]
@@ -537,7 +568,34 @@ def test_step_does_not_apply_outside_capture_or_with_prefills():
     model, executor, _ = build()
     assert not executor.step_applies(forward_context(model, 4), capturing=False)
     fc = forward_context(model, 4)
-    fc.attn_metadata["model.layers.1.self_attn"].num_prefills = 1
+    fc.attn_metadata["model.layers.1.self_attn"].max_query_len = 2
     assert not executor.step_applies(fc, capturing=True)
     fc = forward_context(model, 4)
     assert not executor.step_applies(fc, inputs_embeds=torch.zeros(4, HIDDEN), capturing=True)
+
+
+def test_the_runner_builds_no_kda_metadata_for_the_steps_the_executor_serves():
+    model, executor, _ = build()
+    full = CUDAGraphMode.FULL
+    served = BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True)
+    kda_names = [f"model.layers.{i}.self_attn" for i in KDA_GROUP]
+    assert list(executor.attention_layers_built_by_model(full, served)) == kda_names
+    for mode, descriptor in [
+        (CUDAGraphMode.PIECEWISE, served),
+        (full, BatchDescriptor(num_tokens=4, num_reqs=4)),
+        (full, BatchDescriptor(num_tokens=32, num_reqs=32, uniform=True)),
+        (full, None),
+    ]:
+        assert executor.attention_layers_built_by_model(mode, descriptor) == ()
+
+
+def test_a_runner_that_built_gdn_metadata_is_named_in_the_error():
+    model, executor, _ = build()
+    allocate_caches(model)
+    executor.bind_kv_caches()
+    fc = forward_context(model, 4)
+    fc.attn_metadata["model.layers.0.self_attn"] = SimpleNamespace(
+        num_prefills=0, non_spec_state_indices_tensor=torch.ones(4, dtype=torch.int32)
+    )
+    with pytest.raises(RuntimeError, match="needs the common attention metadata"):
+        executor.run(torch.arange(4), None, fc)

@@ -233,6 +233,8 @@ def unsupported(vllm_config: VllmConfig, platform: Platform | None = None) -> li
             recurrent_dtype != torch.float32,
             f"KDA recurrent state dtype {recurrent_dtype} (needs fp32)",
         ),
+        # Without it vLLM keeps mamba_cache_mode "none": a request's KDA state slot
+        # is its only block-table entry, which the executor reads.
         (cache.enable_prefix_caching, "prefix caching"),
         # The MoE kernel reads vLLM's Triton layout of w13/w2 in place; FlashInfer
         # swaps or re-tiles them at load. On SM90 "auto" picks Triton.

@@ -12,8 +12,9 @@ it returns None wherever the stock forward must run instead.
 
 Per layer (B rows, one decode token each; seams fused into the epilogues):
 
-* KDA: ``in_proj`` (q|k|v|b, one GEMM) and ``fa_ga`` (f_a|g_a) read the normed
-  input; ``fgb`` (block-diagonal f_b/g_b) turns f_a|g_a into g1|g2; the fused
+* KDA: ``fa_ga`` (f_a|g_a) and ``in_proj`` (q|k|v|b, one GEMM) read the normed
+  input; ``fgb`` (block-diagonal f_b/g_b) turns f_a|g_a into g1|g2 (both run
+  before the large in_proj, which streams its weights meanwhile); the fused
   KDA step (conv, gate, delta rule, gated RMSNorm) updates the layer's conv and
   recurrent state in place; ``o_proj`` adds the residual and applies the
   post-attention RMSNorm.
@@ -483,6 +484,8 @@ class StepContext:
     batch: int
     forward_context: Any
     input_ids: torch.Tensor
+    kda_slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    """KDA layer index -> its rows' state slots (filled by the kda_state_slots step)."""
 
 
 @dataclass(frozen=True)
@@ -536,6 +539,14 @@ class KimiLinearDecodeExecutor:
         self._bound = False
         self._padding_slots = torch.zeros(
             self.max_tokens, dtype=torch.int32, device=self.device
+        )
+        # One row per KDA KV-cache group (at most one per KDA layer): the state
+        # slots of the step's rows, gathered from the group's block table.
+        self._kda_slot_rows = torch.zeros(
+            max(1, len(self._kda_layers())),
+            self.max_tokens,
+            dtype=torch.int32,
+            device=self.device,
         )
         self._kernels: dict[tuple[int, str], Any] = {}
         self.plan: list[Step] = []
@@ -614,6 +625,7 @@ class KimiLinearDecodeExecutor:
                 norm.eps,
             )
 
+        self._step(-1, "kda_state_slots", (), ("kda_slots",), self._gather_kda_slots)
         self._step(-1, "embedding", ("input_ids",), ("residual0",), embed_launch)
         self._step(-1, "input_norm", ("residual0",), ("x0",), first_norm_launch)
 
@@ -702,10 +714,9 @@ class KimiLinearDecodeExecutor:
         assert isinstance(kda, KdaLayer)
         i, bufs, proj = layer.index, self.buffers, kda.num_heads * kda.head_dim
         bufs.add("attn_out", proj)
-        self._plan_gemm(
-            i, "kda_in_proj", kda.in_proj.weight, x, self.hidden, "kda_proj",
-            kda.in_proj.weight.shape[0],
-        )  # fmt: skip
+        # The small gate projections first: the large in_proj launched after them
+        # streams its weights while they finish (programmatic dependent launch),
+        # instead of fa_ga -> fgb waiting for in_proj with nothing to overlap.
         self._plan_gemm(
             i, "kda_fa_ga", kda.fa_ga.weight, x, self.hidden, "kda_fa_ga",
             kda.fa_ga.weight.shape[0],
@@ -713,6 +724,10 @@ class KimiLinearDecodeExecutor:
         self._plan_gemm(
             i, "kda_fgb", kda.fgb, "kda_fa_ga", kda.fgb.shape[1], "kda_g12",
             kda.fgb.shape[0],
+        )  # fmt: skip
+        self._plan_gemm(
+            i, "kda_in_proj", kda.in_proj.weight, x, self.hidden, "kda_proj",
+            kda.in_proj.weight.shape[0],
         )  # fmt: skip
         q0, k0, v0, b0 = kda.in_proj.offsets
         width = kda.in_proj.weight.shape[0]
@@ -734,20 +749,33 @@ class KimiLinearDecodeExecutor:
                 self._kda_slots(ctx, kda), bufs.rows("attn_out", b, proj),
             )  # fmt: skip
 
-        self._step(i, "kda_step", ("kda_proj", "kda_g12"), ("attn_out",), launch)
+        self._step(
+            i, "kda_step", ("kda_proj", "kda_g12", "kda_slots"), ("attn_out",), launch
+        )
+
+    def _gather_kda_slots(self, ctx: StepContext) -> None:
+        """Copy each KDA group's state slots (block-table column 0: with
+        mamba_cache_mode "none" a request's only block is its state slot; padded
+        rows hold the null block 0) into a static row, one copy per group.
+        The runner builds no GDN metadata for these layers
+        (attention_layers_built_by_model), so this is the step's only work for
+        them outside the kernels."""
+        if ctx.forward_context is None:  # warmup: every row is padding
+            return
+        rows: dict[int, torch.Tensor] = {}
+        for kda in self._kda_layers():
+            table = _kda_block_table(ctx.forward_context, kda.name, ctx.batch)
+            key = table.data_ptr()
+            if key not in rows:
+                row = self._kda_slot_rows[len(rows)]
+                row[: ctx.batch].copy_(table[: ctx.batch, 0])
+                rows[key] = row
+            ctx.kda_slots[kda.index] = rows[key]
 
     def _kda_slots(self, ctx: StepContext, kda: KdaLayer) -> torch.Tensor:
         if ctx.forward_context is None:  # warmup: every row is padding
             return self._padding_slots
-        metadata = _layer_metadata(ctx.forward_context, kda.name)
-        slots = metadata.non_spec_state_indices_tensor
-        if slots is None or slots.shape[0] < ctx.batch:
-            raise RuntimeError(
-                f"{kda.name}: decode metadata has no state index per row "
-                f"({None if slots is None else tuple(slots.shape)} for "
-                f"{ctx.batch} rows)"
-            )
-        return slots
+        return ctx.kda_slots[kda.index]
 
     def _plan_mla(self, layer: LayerWeights, x: str) -> None:
         mla = layer.attn
@@ -943,6 +971,12 @@ class KimiLinearDecodeExecutor:
                 "backends do not support them); the specialized decode would "
                 "never run"
             )
+        if vllm_config.cache_config.mamba_cache_mode != "none":
+            raise ValueError(
+                f"decode_backend=latency_specialized: mamba_cache_mode "
+                f"{vllm_config.cache_config.mamba_cache_mode!r}; the KDA state slot "
+                "must be a request's only block-table entry ('none')"
+            )
         captured = set(compilation.cudagraph_capture_sizes or ())
         missing = [s for s in self.batch_sizes if s not in captured]
         if missing:
@@ -996,6 +1030,29 @@ class KimiLinearDecodeExecutor:
             step.launch(ctx)
         return self.buffers.rows(self._output, batch)
 
+    def serves(self, cudagraph_mode: Any, descriptor: Any) -> bool:
+        """Whether a step of this CUDA graph mode and batch descriptor runs the
+        executor: a uniform decode batch of a prepared size in a FULL graph."""
+        from vllm.config import CUDAGraphMode
+
+        return (
+            cudagraph_mode == CUDAGraphMode.FULL
+            and descriptor is not None
+            and descriptor.uniform
+            and descriptor.num_tokens in self.batch_sizes
+            and descriptor.num_reqs in (None, descriptor.num_tokens)
+        )
+
+    def attention_layers_built_by_model(
+        self, cudagraph_mode: Any, descriptor: Any
+    ) -> tuple[str, ...]:
+        """The KDA layers, for steps the executor serves: the runner then skips
+        their GDN metadata builds (host time every step) and hands them their
+        group's common metadata, whose block table holds the state slots."""
+        if not self.serves(cudagraph_mode, descriptor):
+            return ()
+        return tuple(kda.name for kda in self._kda_layers())
+
     def step_applies(
         self,
         forward_context: Any,
@@ -1005,26 +1062,18 @@ class KimiLinearDecodeExecutor:
     ) -> bool:
         """Whether this forward is a uniform decode step of a prepared size being
         captured into a FULL CUDA graph (replays never reach Python)."""
-        from vllm.config import CUDAGraphMode
-
         if intermediate_tensors is not None or inputs_embeds is not None:
             return False
-        if forward_context.cudagraph_runtime_mode != CUDAGraphMode.FULL:
+        descriptor = forward_context.batch_descriptor
+        if not self.serves(forward_context.cudagraph_runtime_mode, descriptor):
             return False
         if capturing is None:
             capturing = torch.cuda.is_current_stream_capturing()
         if not capturing:
             return False
-        descriptor = forward_context.batch_descriptor
-        if descriptor is None or not descriptor.uniform:
-            return False
-        if descriptor.num_tokens not in self.batch_sizes:
-            return False
-        if descriptor.num_reqs not in (None, descriptor.num_tokens):
-            return False
         for kda in self._kda_layers():
             metadata = _layer_metadata(forward_context, kda.name)
-            if metadata.num_prefills or metadata.num_spec_decodes:
+            if getattr(metadata, "max_query_len", None) != 1:
                 return False
         for mla in self._mla_layers():
             metadata = _layer_metadata(forward_context, mla.name)
@@ -1061,6 +1110,25 @@ def _layer_metadata(forward_context: Any, name: str) -> Any:
     if not isinstance(metadata, dict) or name not in metadata:
         raise RuntimeError(f"{name}: no attention metadata in the forward context")
     return metadata[name]
+
+
+def _kda_block_table(forward_context: Any, name: str, batch: int) -> torch.Tensor:
+    """The block table of a KDA layer's group, from the common metadata the
+    runner hands the layers the model builds itself."""
+    metadata = _layer_metadata(forward_context, name)
+    table = getattr(metadata, "block_table_tensor", None)
+    if table is None:
+        raise RuntimeError(
+            f"{name}: the runner built {type(metadata).__name__} for this layer; "
+            "the specialized decode needs the common attention metadata (the v1 "
+            "runner patch behind attention_layers_built_by_model)"
+        )
+    if table.dim() != 2 or table.shape[0] < batch or table.dtype != torch.int32:
+        raise RuntimeError(
+            f"{name}: block table {tuple(table.shape)} {table.dtype}, expected int32 "
+            f"with >= {batch} rows"
+        )
+    return table
 
 
 def _layer_slot_mapping(forward_context: Any, name: str) -> torch.Tensor:
@@ -1136,6 +1204,15 @@ class SpecializedDecodeModule(HpcModule):
         if self.executor is None:
             return None
         return self.executor.maybe_run(*args, **kwargs)
+
+    def attention_layers_built_by_model(
+        self, cudagraph_mode: Any, batch_descriptor: Any
+    ) -> tuple[str, ...]:
+        if self.executor is None:
+            return ()
+        return self.executor.attention_layers_built_by_model(
+            cudagraph_mode, batch_descriptor
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("call maybe_run, not the module")
