@@ -35,7 +35,9 @@ Rounding points follow vLLM: the conv outputs are rounded to bf16 (stock
 
 Memory round trips per CTA: the weights (before the PDL wait), the slot index,
 then every other load of the step at once (state, conv history, inputs),
-issued before any store that could alias them.
+issued before any store that could alias them.  With
+``state_loads_before_wait`` the slot index, state and conv history are loaded
+before the PDL wait too, so only the inputs are left after it.
 
 Rows whose state index is <= 0 (the null block, or padding) read and write
 nothing: the branch covers every load of state, conv state and inputs.
@@ -109,6 +111,7 @@ class KdaDecodeKernel:
         norm_eps: float = 1e-5,
         use_pdl: bool = True,
         warps: int = WARPS,
+        state_loads_before_wait: bool = False,
     ):
         if warps not in SUPPORTED_WARPS:
             raise ValueError(f"warps must be one of {SUPPORTED_WARPS}, got {warps}")
@@ -136,6 +139,13 @@ class KdaDecodeKernel:
         # previous kernel of the stream drains; everything it may write
         # (activations, slot indices, caches) is read after griddepcontrol.wait.
         self.use_pdl = use_pdl
+        # With PDL, also issue the slot index, the recurrent state and the conv
+        # history before the wait: the step's long pole then overlaps the
+        # predecessor (the projections).  Only for callers that guarantee that
+        # no kernel chained before this launch writes the slot indices or the
+        # caches (a decode graph: a layer's state is written only by its own
+        # step, once per replay); back-to-back launches on one layer would race.
+        self.state_loads_before_wait = use_pdl and state_loads_before_wait
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -254,7 +264,7 @@ class KdaDecodeKernel:
         neg_a = -cute.math.exp(a_log[head])
         gamma_d = norm_w[d]
 
-        if const_expr(self.use_pdl):
+        if const_expr(self.use_pdl and not self.state_loads_before_wait):
             cute.arch.griddepcontrol_wait()
 
         slots = cute.make_tensor(slot_ptr, cute.make_layout((1 << 30,)))
@@ -293,10 +303,13 @@ class KdaDecodeKernel:
             gate_in = cute.make_rmem_tensor((2,), BFloat16)  # g1, g2
             conv = self._conv_page(conv_state_ptr, slot, conv_slot_stride)
             if tidx < HEAD_DIM:
-                self._load_channel(
-                    row, channel, q_ptr, k_ptr, v_ptr, g1_ptr, g2_ptr, conv,
-                    inputs, history, gate_in,
-                )  # fmt: skip
+                self._load_history(channel, conv, history)
+            if const_expr(self.state_loads_before_wait):
+                cute.arch.griddepcontrol_wait()
+            if tidx < HEAD_DIM:
+                self._load_inputs(
+                    row, channel, q_ptr, k_ptr, v_ptr, g1_ptr, g2_ptr, inputs, gate_in
+                )
                 self._conv_and_gate(
                     d, channel, taps_w, bias_d, neg_a, conv, inputs, history,
                     gate_in, qkv_s, decay_s,
@@ -403,17 +416,21 @@ class KdaDecodeKernel:
         )
 
     @cute.jit
-    def _load_channel(
-        self, row, channel, q_ptr, k_ptr, v_ptr, g1_ptr, g2_ptr, conv,
-        inputs, history, gate_in,
-    ):  # fmt: skip
-        """This thread's channel of q, k, v, its conv history, g1 and g2."""
+    def _load_history(self, channel, conv, history):
+        """This thread's channel of the three conv histories (q, k, v)."""
+        for s in cutlass.range_constexpr(STREAMS):
+            for t in cutlass.range_constexpr(CONV_TAPS):
+                history[s, t] = conv[t, s * self.proj + channel]
+
+    @cute.jit
+    def _load_inputs(
+        self, row, channel, q_ptr, k_ptr, v_ptr, g1_ptr, g2_ptr, inputs, gate_in
+    ):
+        """This thread's channel of q, k, v, g1 and g2."""
         sources = (q_ptr, k_ptr, v_ptr)
         for s in cutlass.range_constexpr(STREAMS):
             src = cute.make_tensor(sources[s], cute.make_layout((1 << 30,)))
             inputs[s] = src[row * self.qkv_row_strides[s] + channel]
-            for t in cutlass.range_constexpr(CONV_TAPS):
-                history[s, t] = conv[t, s * self.proj + channel]
         g1 = cute.make_tensor(g1_ptr, cute.make_layout((1 << 30,)))
         g2 = cute.make_tensor(g2_ptr, cute.make_layout((1 << 30,)))
         gate_in[0] = g1[row * self.g1_row_stride + channel]

@@ -73,6 +73,10 @@ class PreparedKda:
       dt_bias: ``[H*D]`` FP32.
       norm_weight: o_norm weight ``[D]`` (shared by the heads), bf16 or FP32.
     warps: 8 (default) or 16 warps per CTA (see kernel.py).
+    state_loads_before_wait: with PDL, read the slot indices and both caches
+      before waiting for the previous kernel (see kernel.py).  Only where no
+      kernel chained before a launch writes them: inside a decode graph, not
+      for back-to-back launches on one layer.
     Caches (strided views are fine; nothing is copied):
       conv_state: bf16, ``[slots, 3, 3*H*D]`` (vLLM's SD layout) or
         ``[slots, 3*H*D, 3]`` with ``conv_layout="DS"``; channels q | k | v.
@@ -93,6 +97,7 @@ class PreparedKda:
         conv_layout: str = "SD",
         use_pdl: bool = True,
         warps: int = WARPS,
+        state_loads_before_wait: bool = False,
     ):
         if warps not in SUPPORTED_WARPS:
             raise ValueError(f"warps must be one of {SUPPORTED_WARPS}, got {warps}")
@@ -187,6 +192,7 @@ class PreparedKda:
 
         self.device, self.num_heads, self.proj = device, heads, proj
         self.norm_eps, self.use_pdl = norm_eps, use_pdl
+        self.state_loads_before_wait = use_pdl and state_loads_before_wait
         self.conv_state, self.recurrent_state = conv_state, recurrent_state
         self.num_slots = recurrent_state.shape[0]
         self._layout = (s_head, s_row, c_tap, c_channel)
@@ -206,7 +212,7 @@ class PreparedKda:
     def _key(self, row_strides: tuple) -> tuple:
         return (
             self.num_heads, row_strides, self._layout, self.norm_eps, self.use_pdl,
-            self.warps,
+            self.warps, self.state_loads_before_wait,
         )  # fmt: skip
 
     def compile(self, row_strides: tuple) -> float:
@@ -220,6 +226,7 @@ class PreparedKda:
                 self.num_heads, (q_s, k_s, v_s), g1_s, beta_s, g2_s, out_s,
                 s_head, s_row, c_tap, c_channel, norm_eps=self.norm_eps,
                 use_pdl=self.use_pdl, warps=self.warps,
+                state_loads_before_wait=self.state_loads_before_wait,
             )  # fmt: skip
             bf16 = gmem_ptr(self.norm_weight, cutlass.BFloat16, 2)
             slots = gmem_ptr(self.a_log, cutlass.Int32, 4)

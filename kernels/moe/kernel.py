@@ -26,7 +26,9 @@ so idle CTAs exit at once and no host work depends on the routing.  Weights
 never depend on the previous kernel, so each launch issues its first weight
 loads before ``griddepcontrol.wait`` wherever the weight's address is known:
 the router and the shared expert always, the routed ``down`` experts because
-the routing table is complete before ``gate_up`` lets ``down`` launch.
+the routing table is complete before ``gate_up`` lets ``down`` launch.  The
+combine reads the routing rows, weights, residual and gamma before its wait
+too, so only the expert rows are left after it (one round trip).
 """
 
 import cuda.bindings.driver as cuda
@@ -807,7 +809,6 @@ class MoeCombineKernel:
         lane = tidx % WARP_THREADS
         if const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
-            cute.arch.griddepcontrol_wait()
         smem = cutlass.utils.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
         rstd = smem.allocate_tensor(Float32, cute.make_layout((1,)), 4)
@@ -828,34 +829,51 @@ class MoeCombineKernel:
             )
             # Threads past the row load chunk 0 (in bounds) and store nothing.
             chunk = _pick(tidx < self.chunks, tidx, Int32(0))
-            acc = cute.make_rmem_tensor((CHUNK,), Float32)
-            part = cute.make_rmem_tensor((Y_HALF,), Float32)
-            for half in cutlass.range_constexpr(2):
-                cute.autovec_copy(y[token, chunk, half, None], part)
-                for i in cutlass.range_constexpr(Y_HALF):
-                    acc[half * Y_HALF + i] = part[i]
-            # Fixed order (shared, choice 0, 1, ...): bit-reproducible.
+            # Before the wait, everything but the expert rows: the routing
+            # table and weights are complete (the router finished before
+            # ``gate_up`` let ``down`` launch, and ``down`` launched this grid),
+            # and so is the residual, which the router's predecessor wrote.
+            rows = cute.make_rmem_tensor((top_k,), Int32)
+            route_w = cute.make_rmem_tensor((top_k,), Float32)
             for k in cutlass.range_constexpr(top_k):
-                row = table[tab.route_row + token * top_k + k]
-                weight = weights[token, k]
+                rows[k] = table[tab.route_row + token * top_k + k]
+                route_w[k] = weights[token, k]
+            old = cute.make_rmem_tensor((CHUNK,), BFloat16)
+            g = cute.make_rmem_tensor((CHUNK,), BFloat16)
+            if const_expr(self.residual_rmsnorm):
+                residual = cute.make_tensor(residual_ptr, row_layout)
+                gamma = cute.make_tensor(
+                    gamma_ptr, cute.make_layout((self.chunks, CHUNK), stride=(CHUNK, 1))
+                )
+                cute.autovec_copy(residual[token, chunk, None], old)
+                cute.autovec_copy(gamma[chunk, None], g)
+            if const_expr(self.use_pdl):
+                cute.arch.griddepcontrol_wait()
+            # Every expert row at once (one round trip), then the fixed-order
+            # sum (shared, choice 0, 1, ...): bit-reproducible.
+            parts = [
+                [cute.make_rmem_tensor((Y_HALF,), Float32) for _ in range(2)]
+                for _ in range(top_k + 1)
+            ]
+            for half in cutlass.range_constexpr(2):
+                cute.autovec_copy(y[token, chunk, half, None], parts[0][half])
+            for k in cutlass.range_constexpr(top_k):
                 for half in cutlass.range_constexpr(2):
-                    cute.autovec_copy(y[row, chunk, half, None], part)
+                    cute.autovec_copy(y[rows[k], chunk, half, None], parts[k + 1][half])
+            acc = cute.make_rmem_tensor((CHUNK,), Float32)
+            for half in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(Y_HALF):
+                    acc[half * Y_HALF + i] = parts[0][half][i]
+            for k in cutlass.range_constexpr(top_k):
+                for half in cutlass.range_constexpr(2):
                     for i in cutlass.range_constexpr(Y_HALF):
                         acc[half * Y_HALF + i] = (
-                            acc[half * Y_HALF + i] + weight * part[i]
+                            acc[half * Y_HALF + i] + route_w[k] * parts[k + 1][half][i]
                         )
             out = cute.make_tensor(out_ptr, row_layout)
             res = cute.make_rmem_tensor((CHUNK,), BFloat16)
             if const_expr(self.residual_rmsnorm):
-                residual = cute.make_tensor(residual_ptr, row_layout)
                 residual_out = cute.make_tensor(residual_out_ptr, row_layout)
-                gamma = cute.make_tensor(
-                    gamma_ptr, cute.make_layout((self.chunks, CHUNK), stride=(CHUNK, 1))
-                )
-                old = cute.make_rmem_tensor((CHUNK,), BFloat16)
-                g = cute.make_rmem_tensor((CHUNK,), BFloat16)
-                cute.autovec_copy(residual[token, chunk, None], old)
-                cute.autovec_copy(gamma[chunk, None], g)
                 square_sum = Float32(0.0)
                 for i in cutlass.range_constexpr(CHUNK):
                     # Normalise exactly what is stored (as fused_add_rms_norm).

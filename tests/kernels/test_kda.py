@@ -52,7 +52,7 @@ class Layer:
     """Weights + cache pages of one KDA layer, with a deep copy for the
     reference.  ``state_row_pad`` pads each state row (strided row view)."""
 
-    def __init__(self, seed, state_row_pad=0, use_pdl=True, warps=8):
+    def __init__(self, seed, state_row_pad=0, use_pdl=True, warps=8, state_early=False):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.gen = gen
         dev = "cuda"
@@ -85,6 +85,7 @@ class Layer:
             tuple(w.view(PROJ, 1, 4) for w in self.conv_weight),
             self.a_log, self.dt_bias, self.norm_weight, self.conv_state, self.state,
             num_heads=HEADS, use_pdl=use_pdl, warps=warps,
+            state_loads_before_wait=state_early,
         )  # fmt: skip
 
     def ref_kwargs(self):
@@ -192,21 +193,27 @@ def _run_steps(layer, batch, steps, pads, qkv_pitch=None, seed=0):
 
 
 @pytest.mark.parametrize(
-    "batch,steps,warps",
+    "batch,steps,warps,state_early",
     [
-        (1, 256, 8),
-        (2, 16, 8),
-        (3, 16, 8),
-        (8, 16, 8),
-        (16, 256, 8),
-        (33, 16, 8),
-        (64, 256, 8),
-        (5, 16, 16),
-        (64, 256, 16),
+        (1, 256, 8, False),
+        (2, 16, 8, False),
+        (3, 16, 8, False),
+        (8, 16, 8, False),
+        (16, 256, 8, False),
+        (33, 16, 8, False),
+        (64, 256, 8, False),
+        (5, 16, 16, False),
+        (64, 256, 16, False),
+        # The decode executor's variant; every launch here follows torch
+        # kernels (the inputs), which PDL does not overlap.
+        (1, 256, 8, True),
+        (3, 16, 8, True),
+        (16, 16, 8, True),
+        (64, 256, 8, True),
     ],
 )
-def test_steps_match_reference(batch, steps, warps):
-    layer = Layer(seed=batch, warps=warps)
+def test_steps_match_reference(batch, steps, warps, state_early):
+    layer = Layer(seed=batch, warps=warps, state_early=state_early)
     # Padding rows at positions 0 and 2 for batches that have room for them.
     pads = (0, 2) if batch >= 3 else ()
     _run_steps(layer, batch, steps, pads, seed=batch)
@@ -233,12 +240,18 @@ def test_padding_only_batch_touches_nothing():
 
 
 @pytest.mark.parametrize(
-    "use_pdl,warps", [(True, 8), (False, 8), (True, 16)], ids=["pdl", "no_pdl", "pdl_w16"]
+    "use_pdl,warps,state_early",
+    [(True, 8, False), (False, 8, False), (True, 16, False), (True, 8, True)],
+    ids=["pdl", "no_pdl", "pdl_w16", "pdl_state_early"],
 )
-def test_graph_replays_bit_identical(use_pdl, warps):
+def test_graph_replays_bit_identical(use_pdl, warps, state_early):
     """300 replays of a captured step equal 300 eager launches bit for bit
-    (and stay within tolerance of the reference)."""
-    layer = Layer(seed=21, use_pdl=use_pdl, warps=warps)
+    (and stay within tolerance of the reference).  With state loads before
+    the PDL wait, eager launches on one layer must not be chained (they would
+    read a state the previous launch is still writing): a torch kernel
+    separates them, as graph launches separate the replays."""
+    layer = Layer(seed=21, use_pdl=use_pdl, warps=warps, state_early=state_early)
+    separator = torch.zeros(1, device="cuda")
     batch, replays = 8, 300
     gen = torch.Generator().manual_seed(21)
     slots = _slots(batch, (3,), gen)
@@ -251,6 +264,8 @@ def test_graph_replays_bit_identical(use_pdl, warps):
 
     for _ in range(replays):
         step()
+        if state_early:
+            separator.add_(1)
     torch.cuda.synchronize()
     eager_pages, eager_out = layer.pages.clone(), out.clone()
 

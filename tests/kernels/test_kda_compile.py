@@ -33,14 +33,17 @@ def _ptr(dtype, align=16):
     return cute.runtime.make_ptr(dtype, 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def _kernel(heads=32, qkv_pitch=None, state_row=HEAD_DIM, conv_ds=False, use_pdl=True, warps=8):
+def _kernel(
+    heads=32, qkv_pitch=None, state_row=HEAD_DIM, conv_ds=False, use_pdl=True, warps=8,
+    state_early=False,
+):  # fmt: skip
     proj = heads * HEAD_DIM
     pitch = qkv_pitch or proj
     conv_tap, conv_channel = (1, 3) if conv_ds else (3 * proj, 1)
     return KdaDecodeKernel(
         heads, (pitch, pitch, pitch), proj, heads, proj, proj,
         HEAD_DIM * state_row, state_row, conv_tap, conv_channel, use_pdl=use_pdl,
-        warps=warps,
+        warps=warps, state_loads_before_wait=state_early,
     )  # fmt: skip
 
 
@@ -53,6 +56,7 @@ VARIANTS = {
     "tp2_16_heads": {"heads": 16},
     "sixteen_warps": {"warps": 16},
     "sixteen_warps_padded_rows": {"warps": 16, "state_row": HEAD_DIM + 4},
+    "state_loads_before_wait": {"state_early": True},
 }
 
 
@@ -71,16 +75,20 @@ def test_compiles_for_sm90a(name):
     assert _compile(_kernel(**VARIANTS[name])) is not None
 
 
-def test_state_accesses_are_16_byte_vectors(tmp_path):
+def _ptx(tmp_path, kernel_args: str) -> str:
     # CuTe DSL reads its dump options at import: compile in a fresh process.
     env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    code = "import test_kda_compile as t; t._compile(t._kernel(state_row=t.HEAD_DIM + 8))"
+    code = f"import test_kda_compile as t; t._compile(t._kernel({kernel_args}))"
     subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parent, check=True)
     ptx = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
     if not ptx:
         pytest.skip("this CuTe DSL build did not write PTX to CUTE_DSL_DUMP_DIR")
-    text = ptx[0].read_text()
+    return ptx[0].read_text()
+
+
+def test_state_accesses_are_16_byte_vectors(tmp_path):
+    text = _ptx(tmp_path, "state_row=t.HEAD_DIM + 8")
     # 16 state rows per thread in and out, plus 3 conv-weight rows in.
     assert text.count("ld.global.v4.b32") + text.count("ld.global.v4.f32") >= 19
     assert text.count("st.global.v4.b32") + text.count("st.global.v4.f32") >= 16
@@ -93,6 +101,19 @@ def test_state_accesses_are_16_byte_vectors(tmp_path):
     assert before.count("ld.global.v4") >= 19
     assert before.count("ld.global.b16") + before.count("ld.global.u16") >= 14
     assert ".local" not in text, "register spill / local array in the kernel"
+
+
+def test_state_loads_before_wait_leave_only_inputs_after_it(tmp_path):
+    """state_loads_before_wait: the slot index, the 16 state rows and the conv
+    history (9 bf16 loads) are issued before griddepcontrol.wait; the inputs
+    (q, k, v, g1, g2) after it."""
+    text = _ptx(tmp_path, "state_early=True")
+    wait = text.index("griddepcontrol.wait")
+    before, after = text[:wait], text[wait:]
+    assert before.count("ld.global.v4.b32") + before.count("ld.global.v4.f32") >= 19
+    assert before.count("ld.global.b16") + before.count("ld.global.u16") >= 9
+    assert after.count("ld.global.b16") + after.count("ld.global.u16") >= 5
+    assert "st.global" not in before
 
 
 def test_rejects_bad_configs():

@@ -599,3 +599,6 @@ def test_a_runner_that_built_gdn_metadata_is_named_in_the_error():
     )
     with pytest.raises(RuntimeError, match="needs the common attention metadata"):
         executor.run(torch.arange(4), None, fc)
+    # The dispatch test raises too, rather than letting the stock forward run.
+    with pytest.raises(RuntimeError, match="needs the common attention metadata"):
+        executor.step_applies(fc, capturing=True)

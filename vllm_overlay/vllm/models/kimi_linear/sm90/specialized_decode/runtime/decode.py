@@ -106,6 +106,10 @@ class KernelFactory:
             num_heads=num_heads,
             norm_eps=norm_eps,
             conv_layout=conv_layout,
+            # Runs only inside the decode graph, where a layer's caches are
+            # written by its own step alone and the slot rows are gathered at
+            # the graph's start: the state loads may overlap the projections.
+            state_loads_before_wait=True,
         )
 
     def moe(self, **kwargs: Any) -> Any:
@@ -1072,8 +1076,11 @@ class KimiLinearDecodeExecutor:
         if not capturing:
             return False
         for kda in self._kda_layers():
+            # Raises, naming the runner patch, if the runner built backend
+            # metadata for a layer it was told the model builds itself.
+            _kda_block_table(forward_context, kda.name, descriptor.num_tokens)
             metadata = _layer_metadata(forward_context, kda.name)
-            if getattr(metadata, "max_query_len", None) != 1:
+            if metadata.max_query_len != 1:
                 return False
         for mla in self._mla_layers():
             metadata = _layer_metadata(forward_context, mla.name)
