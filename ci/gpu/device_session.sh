@@ -50,7 +50,7 @@ bench_role() {
     grep -v "Autotuning kernel" "/tmp/hd-bench-$1.log" \
         | grep -E " N=|rror|Traceback|specialized decode:|init engine" | tail -20
     grep -v "Autotuning kernel" "/tmp/hd-bench-$1.log" | tail -c 2000000 \
-        | gzip > "$OUT/bench-$1.log.gz"
+        | gzip > "$OUT/bench-$(echo "$1" | tr , _).log.gz"  # no "," in returned names
     # The role results while the report is incomplete; the report once every role ran
     # (bench_decode.py then empties the scratch folder).
     cp "$SCRATCH"/*.json /tmp/hd-bench-out/decode.* "$OUT"/ 2>/dev/null
@@ -127,7 +127,11 @@ upstream-gpu)
         > "$OUT/upstream-gpu.log" 2>&1
     echo "upstream-tests: exit $?"
     grep -E "^upstream-tests|passed|failed" "$OUT/upstream-gpu.log" | tail -12
-    cp build/upstream-tests-gpu*.json "$OUT"/ 2>/dev/null
+    # The device tool returns no file whose name holds a "+" (the report names join the
+    # test files with it).
+    for report in build/upstream-tests-gpu*.json; do
+        [ -f "$report" ] && cp "$report" "$OUT/$(basename "$report" | tr '+' '_')"
+    done
     ;;
 *)
     echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|host-loop|save-caches|upstream-gpu" >&2

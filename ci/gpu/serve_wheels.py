@@ -39,6 +39,21 @@ SERVE_PINS = [
     "prometheus-fastapi-instrumentator==8.1.0",
     "supervisor==4.3.0",
 ]
+# anthropic is a dependency of vLLM itself (requirements/common.txt; the CPU wheel
+# venv has it) that the gpu-bundle's vllm profile leaves out, and upstream's
+# tests/utils.py imports it: on the H200 (2026-12-01) 5 tests of
+# tests/v1/worker/test_gpu_model_runner.py and the collection of
+# tests/v1/cudagraph/test_cudagraph_dispatch.py stopped at "No module named
+# 'anthropic'". Staged with the dependencies it brings beyond the bundle, at the
+# versions the wheel venv resolves to.
+GPU_HOST_TEST_PINS = [
+    "anthropic==2.14.0",
+    "docstring-parser==0.18.0",
+    "httpx2==2.16.2",
+    "httpcore2==2.16.2",
+    "truststore==0.10.5",
+    "opentelemetry-api==1.45.2",
+]
 # What the host's python3 is (KINDS.md): CPython 3.12 on x86_64 Linux.
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 CI_DIR = Path(__file__).resolve().parents[1]
@@ -69,7 +84,7 @@ def upstream_test_pins(path: Path = TEST_REQUIREMENTS) -> list[str]:
 # profile -> the modules its install.sh imports as the check.
 PROFILE_IMPORTS = {
     "serve": "uvicorn, watchfiles, prometheus_fastapi_instrumentator",
-    "upstream-tests": "tblib, pytest_asyncio, transformers",
+    "upstream-tests": "tblib, pytest_asyncio, transformers, anthropic",
 }
 
 
@@ -77,7 +92,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", choices=tuple(PROFILE_IMPORTS), default="serve")
     args = ap.parse_args()
-    pins = SERVE_PINS if args.profile == "serve" else upstream_test_pins()
+    pins = SERVE_PINS
+    if args.profile == "upstream-tests":
+        pins = upstream_test_pins() + GPU_HOST_TEST_PINS
     imports = PROFILE_IMPORTS[args.profile]
     out = Path(".gpu-bundle") / args.profile
     out.mkdir(parents=True, exist_ok=True)

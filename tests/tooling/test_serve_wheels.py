@@ -26,3 +26,13 @@ def test_unpinned_requirements_are_refused(tmp_path):
         serve_wheels.upstream_test_pins(req)
     req.write_text("tblib==3.1.0  # why\n")
     assert serve_wheels.upstream_test_pins(req) == ["tblib==3.1.0"]
+
+
+def test_gpu_host_test_pins_bring_anthropic_and_do_not_repeat_the_ci_file():
+    """tests/utils.py imports anthropic (a vLLM dependency the gpu-bundle leaves out)."""
+    extra = serve_wheels.GPU_HOST_TEST_PINS
+    names = [p.split("==")[0] for p in extra]
+    assert "anthropic" in names and all(p.count("==") == 1 for p in extra)
+    ci = {p.split("==")[0] for p in serve_wheels.upstream_test_pins()}
+    assert not ci & set(names)
+    assert "anthropic" in serve_wheels.PROFILE_IMPORTS["upstream-tests"]
