@@ -10,13 +10,8 @@ missing.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (CuTe DSL) is not installed")
@@ -24,6 +19,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (CuTe DSL) is not inst
 import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
+from ptx_dump import compiled_ptx  # noqa: E402
 
 from kernels.kda.kernel import HEAD_DIM, KdaDecodeKernel  # noqa: E402
 
@@ -75,20 +71,10 @@ def test_compiles_for_sm90a(name):
     assert _compile(_kernel(**VARIANTS[name])) is not None
 
 
-def _ptx(tmp_path, kernel_args: str) -> str:
-    # CuTe DSL reads its dump options at import: compile in a fresh process.
-    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    code = f"import test_kda_compile as t; t._compile(t._kernel({kernel_args}))"
-    subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parent, check=True)
-    ptx = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
-    if not ptx:
-        pytest.skip("this CuTe DSL build did not write PTX to CUTE_DSL_DUMP_DIR")
-    return ptx[0].read_text()
-
-
 def test_state_accesses_are_16_byte_vectors(tmp_path):
-    text = _ptx(tmp_path, "state_row=t.HEAD_DIM + 8")
+    text = compiled_ptx(
+        tmp_path, "test_kda_compile", "_compile(t._kernel(state_row=t.HEAD_DIM + 8))"
+    )
     # 16 state rows per thread in and out, plus 3 conv-weight rows in.
     assert text.count("ld.global.v4.b32") + text.count("ld.global.v4.f32") >= 19
     assert text.count("st.global.v4.b32") + text.count("st.global.v4.f32") >= 16
@@ -107,7 +93,7 @@ def test_state_loads_before_wait_leave_only_inputs_after_it(tmp_path):
     """state_loads_before_wait: the slot index, the 16 state rows and the conv
     history (9 bf16 loads) are issued before griddepcontrol.wait; the inputs
     (q, k, v, g1, g2) after it."""
-    text = _ptx(tmp_path, "state_early=True")
+    text = compiled_ptx(tmp_path, "test_kda_compile", "_compile(t._kernel(state_early=True))")
     wait = text.index("griddepcontrol.wait")
     before, after = text[:wait], text[wait:]
     assert before.count("ld.global.v4.b32") + before.count("ld.global.v4.f32") >= 19

@@ -9,9 +9,6 @@ where nvidia-cutlass-dsl is not installed.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,6 +18,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (CuTe DSL) is not inst
 import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
+from ptx_dump import compiled_ptx  # noqa: E402
 
 from kernels.moe.kernel import (  # noqa: E402
     MoeCombineKernel,
@@ -35,7 +33,6 @@ from kernels.moe.prepared import (  # noqa: E402
     slot_lanes_for,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, INTER, EXPERTS, TOP_K = 2304, 1024, 256, 8
 SHAPE = MoeShape(HIDDEN, INTER, EXPERTS, TOP_K)
 
@@ -93,23 +90,11 @@ def test_bad_configs_are_rejected():
         MoeExpertKernel("down", HIDDEN, 40, EXPERTS, TOP_K, 1, 9, 4)
 
 
-def _ptx(tmp_path, call: str) -> str:
-    # CuTe DSL reads its dump options at import: compile in a fresh process.
-    env = dict(os.environ, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    code = f"import test_moe_compile as t; t.{call}"
-    subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).parent, check=True)
-    ptx = [p for p in tmp_path.iterdir() if p.suffix == ".ptx"]
-    if not ptx:
-        pytest.skip("this CuTe DSL build did not write PTX to CUTE_DSL_DUMP_DIR")
-    return ptx[0].read_text()
-
-
 def test_combine_reads_all_but_the_expert_rows_before_the_wait(tmp_path):
     """Routing rows and weights (2 + 2 vectors at top-8), residual and gamma
     before griddepcontrol.wait; the shared + 8 expert rows (18 vectors) after it,
     all issued before any store."""
-    text = _ptx(tmp_path, "test_combine_compiles(True)")
+    text = compiled_ptx(tmp_path, "test_moe_compile", "test_combine_compiles(True)")
     wait = text.index("griddepcontrol.wait")
     before, after = text[:wait], text[wait:]
     assert before.count("ld.global.v4") >= 6
