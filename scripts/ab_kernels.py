@@ -1,0 +1,232 @@
+#!/usr/bin/env python3
+"""A/B one kernel family of this tree against the same family at another revision.
+
+Two steps, because the GPU host has no git:
+
+    python3 scripts/ab_kernels.py stage --base HEAD~1      # here: writes build/ab-base/
+    python3 scripts/ab_kernels.py moe|kda|gemm --out DIR   # on the H200, carry build/ab-base
+
+`stage` exports `kernels/` of the base revision as the package `kernels_base` under
+build/ab-base/ (git-ignored; ~0.2 MB, carry it in the device call). The run builds both
+variants on the same weights and caches, checks that they agree, and times them in one
+process, interleaved (base, new, base, new, ...), with the bench scripts' own CUDA-graph
+methods (`bench_moe.time_graph`, `bench_kda.time_graph`, `bench_gemm._time_graph`). It
+prints one JSON line per case and writes DIR/ab_<family>.json. A throw-away experiment
+can thus be measured against the tree it would replace without a second staging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGE_DIR = ROOT / "build" / "ab-base"
+ROUNDS = 3
+
+
+def stage(base: str, stage_dir: Path = STAGE_DIR) -> int:
+    rev = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{base}^{{commit}}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if rev.returncode:
+        print(f"error: {base!r} is not a commit of this repository", file=sys.stderr)
+        return 2
+    target = stage_dir / "kernels_base"
+    if target.exists():
+        subprocess.run(["rm", "-rf", str(target)], check=True)
+    target.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev.stdout.strip(), "kernels"],
+        capture_output=True, check=True,
+    )  # fmt: skip
+    subprocess.run(
+        ["tar", "-x", "-C", str(target), "--strip-components=1"],
+        input=archive.stdout, check=True,
+    )  # fmt: skip
+    (stage_dir / "REVISION").write_text(rev.stdout)
+    print(f"staged kernels/ of {rev.stdout.strip()[:12]} as {target}; carry {stage_dir}")
+    return 0
+
+
+def _interleaved(timer, launch_base, launch_new) -> dict:
+    """``timer(launch)``: µs per call of ``launch`` (one CUDA-graph method)."""
+    runs = {"base": [], "new": []}
+    for _ in range(ROUNDS):
+        runs["base"].append(timer(launch_base))
+        runs["new"].append(timer(launch_new))
+    base, new = statistics.median(runs["base"]), statistics.median(runs["new"])
+    return {"base_us": base, "new_us": new, "new_over_base": new / base, "runs_us": runs}
+
+
+def ab_moe(gen) -> list[dict]:
+    import torch
+    from kernels_base.moe.prepared import PreparedMoe as BaseMoe
+
+    import bench_moe as bm
+
+    def timer_for(layers):
+        return lambda launch: bm.time_graph(launch, layers, 4, 20)[0]
+
+    rows = []
+    for regime in bm.REGIMES:
+        layers = [bm.Layer(regime, gen, None) for _ in range(4)]
+        for lay in layers:
+            lay.base = BaseMoe(
+                lay.gate, lay.bias, lay.w13, lay.w2, lay.shared_gate_up, lay.shared_down,
+                bm.TOP_K, bm.SCALE,
+            )  # fmt: skip
+        for m in bm.M_VALUES:
+            x = torch.randn(m, bm.HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+            out_b, out_n = (torch.empty(m, bm.HIDDEN, dtype=x.dtype, device="cuda") for _ in "bn")
+            layers[0].base.run(x, out_b)
+            layers[0].moe.run(x, out_n)
+            torch.cuda.synchronize()
+            row = {"regime": regime, "m": m, "bit_equal": bool(torch.equal(out_b, out_n))}
+            row |= _interleaved(
+                timer_for(layers),
+                lambda lay, x=x, out=out_b: lay.base.run(x, out),
+                lambda lay, x=x, out=out_n: lay.moe.run(x, out),
+            )
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "runs_us"}), flush=True)
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def ab_kda(gen) -> list[dict]:
+    import torch
+    from kernels_base.kda.prepared import PreparedKda as BaseKda
+
+    import bench_kda as bk
+
+    def timer_for(layers):
+        return lambda launch: bk.time_graph(launch, layers, 15)[0]
+
+    rows = []
+    for batch in bk.BATCHES:
+        state_b, _ = bk.layer_bytes(batch)
+        n_layers = min(bk.MAX_LAYERS, max(2, -(-3 * bk.L2_BYTES // state_b)))
+        layers = [bk.Layer(batch, gen) for _ in range(n_layers)]
+        for lay in layers:
+            lay.base = BaseKda(
+                tuple(w.view(bk.PROJ, 1, 4) for w in lay.conv_weight), lay.a_log,
+                lay.dt_bias, lay.norm_weight, lay.conv_state, lay.state, num_heads=bk.HEADS,
+            )  # fmt: skip
+        rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16)  # noqa: E731
+        q, k, v, g1, g2 = (rnd(batch, bk.PROJ) for _ in range(5))
+        beta = rnd(batch, bk.HEADS)
+        slots = torch.arange(1, batch + 1, device="cuda", dtype=torch.int32)
+        out = torch.empty(batch, bk.PROJ, device="cuda", dtype=torch.bfloat16)
+        row = {"batch": batch, "layers_in_graph": n_layers}
+        step = (q, k, v, g1, beta, g2, slots, out)
+        for name in ("prepared", "prepared_early"):
+            row[name] = _interleaved(
+                timer_for(layers),
+                lambda lay, a=step: lay.base.run(*a),
+                lambda lay, a=step, n=name: getattr(lay, n).run(*a),
+            )
+        rows.append(row)
+        print(json.dumps({"batch": batch, **{
+            n: {k: v for k, v in row[n].items() if k != "runs_us"}
+            for n in ("prepared", "prepared_early")
+        }}), flush=True)  # fmt: skip
+        del layers
+        torch.cuda.empty_cache()
+    return rows
+
+
+def ab_gemm(gen) -> list[dict]:
+    import torch
+    from kernels_base.gemm.prepared import PreparedGemm as BaseGemm
+
+    import bench_gemm as bg
+    from kernels.gemm.prepared import PreparedGemm
+
+    def timer_for(copies):
+        # One launch per weight copy, all in one graph (the copies span > L2).
+        return lambda launch: bg._time_graph([lambda c=c: launch(c) for c in copies])[0]
+
+    rows = []
+    for name, (n, k, epilogue, _) in bg.SHAPES.items():
+        if name == "lm_head":  # cuBLAS in the decode; the GEMM A/B is the layers' shapes
+            continue
+        copies = max(2, min(bg.MAX_COPIES, -(-2 * bg.L2_BYTES // (n * k * 2))))
+        weights = [
+            torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16) * k**-0.5
+            for _ in range(copies)
+        ]
+        extra = {}
+        if epilogue == "residual_rmsnorm":
+            extra["rmsnorm_weight"] = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+        base = [BaseGemm(w, epilogue, **extra) for w in weights]
+        new = [PreparedGemm(w, epilogue, **extra) for w in weights]
+        for m in (1, 8, 16):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            cols = n // 2 if epilogue == "silu_mul" else n
+            out = torch.empty(m, cols, device="cuda", dtype=torch.bfloat16)
+            args = ()
+            if epilogue == "residual_rmsnorm":
+                residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+                args = (residual, torch.empty_like(residual))
+            row = {"shape": name, "m": m, "epilogue": epilogue}
+            call = (x, out, *args)
+            row |= _interleaved(
+                timer_for(range(copies)),
+                lambda c, a=call, ps=base: ps[c].run(*a),
+                lambda c, a=call, ps=new: ps[c].run(*a),
+            )
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "runs_us"}), flush=True)
+        del weights, base, new
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("stage", help="export kernels/ of a revision to build/ab-base/")
+    st.add_argument("--base", required=True, help="a git revision, e.g. HEAD~1")
+    st.add_argument("--dir", type=Path, default=STAGE_DIR)
+    for family in ("moe", "kda", "gemm"):
+        sp = sub.add_parser(family, help=f"time {family}: base vs this tree (on an SM90 GPU)")
+        sp.add_argument("--out", type=Path, required=True)
+        sp.add_argument("--dir", type=Path, default=STAGE_DIR)
+    args = ap.parse_args()
+    if args.cmd == "stage":
+        return stage(args.base, args.dir)
+    if not (args.dir / "kernels_base").is_dir():
+        print(f"error: no {args.dir}/kernels_base: run `stage --base REV` first and "
+              "carry that folder", file=sys.stderr)  # fmt: skip
+        return 2
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("error: needs an SM90 GPU", file=sys.stderr)
+        return 2
+    sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(args.dir)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = {"moe": ab_moe, "kda": ab_kda, "gemm": ab_gemm}[args.cmd](gen)
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "family": args.cmd,
+        "base": (args.dir / "REVISION").read_text().strip(),
+        "gpu": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": "python3 " + " ".join(sys.argv),
+        "rows": rows,
+    }
+    (args.out / f"ab_{args.cmd}.json").write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
