@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ def stage(base: str, stage_dir: Path = STAGE_DIR) -> int:
         return 2
     target = stage_dir / "kernels_base"
     if target.exists():
-        subprocess.run(["rm", "-rf", str(target)], check=True)
+        shutil.rmtree(target)
     target.mkdir(parents=True)
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", rev.stdout.strip(), "kernels"],
@@ -53,6 +54,15 @@ def stage(base: str, stage_dir: Path = STAGE_DIR) -> int:
     (stage_dir / "REVISION").write_text(rev.stdout)
     print(f"staged kernels/ of {rev.stdout.strip()[:12]} as {target}; carry {stage_dir}")
     return 0
+
+
+def _agree(what: str, got, ref, limit: float) -> float:
+    """Normwise relative difference of the new variant's output from the base's; refuses
+    to time two variants that do not compute the same thing."""
+    rel = float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+    if not rel <= limit:
+        raise SystemExit(f"{what}: new and base disagree (rel {rel:.2e} > {limit:g}); not timing")
+    return rel
 
 
 def _interleaved(timer, launch_base, launch_new) -> dict:
@@ -88,7 +98,10 @@ def ab_moe(gen) -> list[dict]:
             layers[0].base.run(x, out_b)
             layers[0].moe.run(x, out_n)
             torch.cuda.synchronize()
-            row = {"regime": regime, "m": m, "bit_equal": bool(torch.equal(out_b, out_n))}
+            row = {
+                "regime": regime, "m": m, "bit_equal": bool(torch.equal(out_b, out_n)),
+                "rel_diff": _agree(f"moe {regime} M={m}", out_n, out_b, 2e-2),
+            }  # fmt: skip
             row |= _interleaved(
                 timer_for(layers),
                 lambda lay, x=x, out=out_b: lay.base.run(x, out),
@@ -125,7 +138,24 @@ def ab_kda(gen) -> list[dict]:
         beta = rnd(batch, bk.HEADS)
         slots = torch.arange(1, batch + 1, device="cuda", dtype=torch.int32)
         out = torch.empty(batch, bk.PROJ, device="cuda", dtype=torch.bfloat16)
+        # One step of each variant from the same caches (restored after each).
+        lay = layers[0]
+        conv0, state0 = lay.conv_state.clone(), lay.state.clone()
+        results = []
+        for prepared in (lay.base, lay.prepared, lay.prepared_early):
+            lay.conv_state.copy_(conv0)
+            lay.state.copy_(state0)
+            prepared.run(q, k, v, g1, beta, g2, slots, out)
+            torch.cuda.synchronize()
+            results.append((out.clone(), lay.state.clone()))
+        lay.conv_state.copy_(conv0)
+        lay.state.copy_(state0)
         row = {"batch": batch, "layers_in_graph": n_layers}
+        for name, (got_out, got_state) in zip(("prepared", "prepared_early"), results[1:]):
+            row[f"{name}_rel_diff"] = {
+                "out": _agree(f"kda {name} B={batch} out", got_out, results[0][0], 5e-3),
+                "state": _agree(f"kda {name} B={batch} state", got_state, results[0][1], 1e-4),
+            }
         step = (q, k, v, g1, beta, g2, slots, out)
         for name in ("prepared", "prepared_early"):
             row[name] = _interleaved(
@@ -176,8 +206,13 @@ def ab_gemm(gen) -> list[dict]:
             if epilogue == "residual_rmsnorm":
                 residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
                 args = (residual, torch.empty_like(residual))
-            row = {"shape": name, "m": m, "epilogue": epilogue}
             call = (x, out, *args)
+            ref = base[0].run(*call).clone()
+            got = new[0].run(*call).clone()
+            row = {
+                "shape": name, "m": m, "epilogue": epilogue,
+                "rel_diff": _agree(f"gemm {name} M={m}", got, ref, 1e-2),
+            }  # fmt: skip
             row |= _interleaved(
                 timer_for(range(copies)),
                 lambda c, a=call, ps=base: ps[c].run(*a),
