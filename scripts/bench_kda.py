@@ -42,9 +42,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-from kda_reference import vectorized_step  # noqa: E402
+from kda_reference import gate_projection, vectorized_step  # noqa: E402
 
-from kernels.kda.kernel import HEAD_DIM  # noqa: E402
+from kernels.kda.kernel import GATE_RANK, HEAD_DIM  # noqa: E402
 from kernels.kda.prepared import PreparedKda  # noqa: E402
 
 HBM_TBPS = 4.25
@@ -105,6 +105,19 @@ class Layer:
             tuple(w.view(PROJ, 1, 4) for w in self.conv_weight),
             self.a_log, self.dt_bias, self.norm_weight, self.conv_state, self.state,
             num_heads=HEADS, state_loads_before_wait=True,
+        )  # fmt: skip
+        # The decode executor's kernel since hd.5: also f_b / g_b applied inside
+        # (inputs f_a(x), g_a(x)), on the same caches.
+        self.gate_weights = tuple(
+            (torch.randn(PROJ, GATE_RANK, device=dev, generator=gen) * GATE_RANK**-0.5).to(
+                torch.bfloat16
+            )
+            for _ in range(2)
+        )
+        self.prepared_low_rank = PreparedKda(
+            tuple(w.view(PROJ, 1, 4) for w in self.conv_weight),
+            self.a_log, self.dt_bias, self.norm_weight, self.conv_state, self.state,
+            num_heads=HEADS, state_loads_before_wait=True, gate_weights=self.gate_weights,
         )  # fmt: skip
         # The same caches bound to the 16-warp variant of the kernel.
         self.prepared16 = PreparedKda(
@@ -190,6 +203,7 @@ def bench_batch(batch, replays, gen):
     out = torch.empty(batch, PROJ, device="cuda", dtype=torch.bfloat16)
     out_ref = torch.empty_like(out)
 
+    f_a, g_a = (rnd(batch, GATE_RANK) for _ in range(2))
     # Sanity: one step of ours against each baseline from the same caches.
     layer = layers[0]
     conv0, state0 = layer.conv_state.clone(), layer.state.clone()
@@ -212,12 +226,37 @@ def bench_batch(batch, replays, gen):
                 f"batch {batch}: kernel disagrees with the {name} baseline (out "
                 f"{out_err:.2e}, state {state_err:.2e}); not timing a wrong kernel"
             )
+    # The low-rank variant against the full-gate kernel fed f_b f_a(x), g_b g_a(x).
+    full_g1, full_g2 = (gate_projection(x, w) for x, w in zip((f_a, g_a), layer.gate_weights))
+    for name, run in (
+        ("full_gates", lambda o: layer.prepared.run(q, k, v, full_g1, beta, full_g2, slots, o)),
+        ("low_rank", lambda o: layer.prepared_low_rank.run(q, k, v, f_a, beta, g_a, slots, o)),
+    ):
+        layer.conv_state.copy_(conv0)
+        layer.state.copy_(state0)
+        run(out_ref if name == "full_gates" else out)
+        torch.cuda.synchronize()
+        if name == "full_gates":
+            full_state = layer.state.clone()
+    out_err = float((out.float() - out_ref.float()).norm() / out_ref.float().norm())
+    state_err = float((layer.state - full_state).norm() / full_state.norm())
+    checks["low_rank_vs_full_gates"] = (out_err, state_err)
+    if not (out_err < 5e-3 and state_err < 1e-4):
+        raise SystemExit(
+            f"batch {batch}: the low-rank-gate kernel disagrees with the full-gate one "
+            f"(out {out_err:.2e}, state {state_err:.2e}); not timing a wrong kernel"
+        )
 
     ours = time_graph(
         lambda lay: lay.prepared.run(q, k, v, g1, beta, g2, slots, out), layers, replays
     )
     early = time_graph(
         lambda lay: lay.prepared_early.run(q, k, v, g1, beta, g2, slots, out),
+        layers,
+        replays,
+    )
+    low_rank = time_graph(
+        lambda lay: lay.prepared_low_rank.run(q, k, v, f_a, beta, g_a, slots, out),
         layers,
         replays,
     )
@@ -251,6 +290,8 @@ def bench_batch(batch, replays, gen):
         "ours_us_max": ours[2],
         "ours_early_us": early[0],
         "ours_early_us_min": early[1],
+        "ours_low_rank_us": low_rank[0],
+        "ours_low_rank_us_min": low_rank[1],
         "ours_w16_us": ours16[0],
         "ours_w16_us_min": ours16[1],
         "state_copy_us": copy[0],
@@ -264,6 +305,7 @@ def bench_batch(batch, replays, gen):
         "state_bw_frac": state_b / ours[0] / 1e6 / HBM_TBPS,
         "state_bw_frac_w16": state_b / ours16[0] / 1e6 / HBM_TBPS,
         "state_bw_frac_early": state_b / early[0] / 1e6 / HBM_TBPS,
+        "state_bw_frac_low_rank": state_b / low_rank[0] / 1e6 / HBM_TBPS,
         "state_copy_bw_frac": state_b / copy[0] / 1e6 / HBM_TBPS,
         **stock_fields,
         "check_rel_err": {k: {"out": o, "state": st} for k, (o, st) in checks.items()},
@@ -286,14 +328,16 @@ def write_markdown(summary: dict, rows: list[dict], path: Path) -> None:
         "distinct caches (>= 3x L2), divided by L.  'ours' is the PreparedKda default "
         "(8 warps per CTA), 'state early' the decode executor's variant (slot, state "
         "and conv history loaded before the PDL wait, overlapping the previous "
-        "layer-step), '16-warp' the alternative CTA shape on the same caches; "
+        "layer-step), 'low-rank' that variant also applying f_b / g_b to f_a(x) / "
+        "g_a(x) itself (the executor's kernel since hd.5; it replaces a separate "
+        "f_b|g_b GEMM launch), '16-warp' the alternative CTA shape on the same caches; "
         "'state copy' is a device copy of the same state bytes (read + write), the "
         "bandwidth ceiling for this size.",
         "",
-        "| batch | ours us | state early us | 16-warp us | state copy us | "
+        "| batch | ours us | state early us | low-rank us | 16-warp us | state copy us | "
         "stock vLLM us | speedup | torch ops us | speedup | state TB/s | "
         "state % of 4.25 | state early % | total TB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         stock = (
@@ -304,8 +348,10 @@ def write_markdown(summary: dict, rows: list[dict], path: Path) -> None:
         early = (
             f"{r['ours_early_us']:.2f}", f"{100 * r['state_bw_frac_early']:.0f}%"
         ) if "ours_early_us" in r else ("-", "-")  # fmt: skip
+        low_rank = f"{r['ours_low_rank_us']:.2f}" if "ours_low_rank_us" in r else "-"
         lines.append(
-            f"| {r['batch']} | {r['ours_us']:.2f} | {early[0]} | {r['ours_w16_us']:.2f} | "
+            f"| {r['batch']} | {r['ours_us']:.2f} | {early[0]} | {low_rank} | "
+            f"{r['ours_w16_us']:.2f} | "
             f"{r['state_copy_us']:.2f} | {stock} | {r['baseline_us']:.2f} | "
             f"{r['speedup']:.2f} | {r['state_bw_tbps']:.2f} | "
             f"{100 * r['state_bw_frac']:.0f}% | {early[1]} | {r['total_bw_tbps']:.2f} |"

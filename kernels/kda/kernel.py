@@ -17,6 +17,14 @@ copies between them) for one token per request:
   ``o = S q``;
 * ``RMSNorm(o) * w * sigmoid(g2)`` written as bf16.
 
+With ``low_rank_gates`` the step also takes the gates' second projections:
+its inputs are ``f_a(x)`` and ``g_a(x)`` (128 values per row each) and it forms
+``g1 = f_b f_a(x)`` and ``g2 = g_b g_a(x)`` for its head itself, from the
+head's 128 rows of ``f_b`` and ``g_b`` (64 KiB, copied to shared memory with
+cp.async before the PDL wait).  The decode step then needs no launch between
+the input projection and this kernel.  g1 and g2 are rounded to bf16, as the
+stock ``f_b_proj`` / ``g_b_proj`` outputs are.
+
 Grid: one CTA per (head, request row).  The whole 128x128 FP32 head state
 (64 KiB) lives in registers of the CTA's 8 (or 16) warps for the update: a
 warp owns 16 (8) value rows, a lane 4 consecutive keys of each row, so every
@@ -47,6 +55,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync
 
 HEAD_DIM = 128
 # Width-4 causal conv: three past inputs are kept per channel.
@@ -68,13 +77,29 @@ FP32_BYTES = 4
 # softplus(x) = x above this (as the stock fused_kda_gate, threshold 20).
 SOFTPLUS_THRESHOLD = 20.0
 L2NORM_EPS = 1e-6
+# Low-rank gates: f_b and g_b are [H*D, GATE_RANK]; a head's block of each is
+# staged in shared memory as 16-byte vectors, rows padded by one vector (272 B,
+# an odd number of vectors) so that the 8 threads of a shared-memory phase,
+# reading the same column of 8 consecutive rows, hit 8 different bank groups.
+GATE_RANK = HEAD_DIM
+GATE_MATRICES = 2  # f_b, g_b
+BF16_PER_VECTOR = 8
+GATE_VECTORS = GATE_RANK // BF16_PER_VECTOR
+GATE_ROW_PITCH = GATE_RANK + BF16_PER_VECTOR
+# Partial sums per thread in the gate dot products (independent FMA chains).
+GATE_ACCUMULATORS = 4
 # Dynamic shared memory the kernel carves (SmemAllocator): conv outputs of q, k,
 # v and the decay (4 x 128 floats), o (128 floats), the per-warp sums of squares
-# and beta, each block 16-byte aligned (128 bytes of alignment slack).
+# and beta; with low-rank gates also the two weight blocks, the two low-rank
+# inputs (FP32) and g2.  Each block 16-byte aligned (128 bytes of slack).
 
 
-def smem_bytes(warps: int) -> int:
-    return (STREAMS + 2) * HEAD_DIM * 4 + warps * 4 + 16 + 128
+def smem_bytes(warps: int, low_rank_gates: bool = False) -> int:
+    size = (STREAMS + 2) * HEAD_DIM * 4 + warps * 4 + 16 + 128
+    if low_rank_gates:
+        size += GATE_MATRICES * HEAD_DIM * GATE_ROW_PITCH * 2
+        size += GATE_MATRICES * GATE_RANK * 4 + HEAD_DIM * 4 + 64
+    return size
 
 
 @cute.jit
@@ -112,6 +137,7 @@ class KdaDecodeKernel:
         use_pdl: bool = True,
         warps: int = WARPS,
         state_loads_before_wait: bool = False,
+        low_rank_gates: bool = False,
     ):
         if warps not in SUPPORTED_WARPS:
             raise ValueError(f"warps must be one of {SUPPORTED_WARPS}, got {warps}")
@@ -146,6 +172,9 @@ class KdaDecodeKernel:
         # caches (a decode graph: a layer's state is written only by its own
         # step, once per replay); back-to-back launches on one layer would race.
         self.state_loads_before_wait = use_pdl and state_loads_before_wait
+        # g1/g2 arrive as f_a(x)/g_a(x) (GATE_RANK wide; g1/g2_row_stride are
+        # their row strides) and f_b/g_b are applied here (module docstring).
+        self.low_rank_gates = low_rank_gates
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -161,6 +190,8 @@ class KdaDecodeKernel:
         a_log_ptr: cute.Pointer,
         dt_bias_ptr: cute.Pointer,
         norm_weight_ptr: cute.Pointer,
+        f_b_ptr: cute.Pointer,
+        g_b_ptr: cute.Pointer,
         slot_ptr: cute.Pointer,
         conv_state_ptr: cute.Pointer,
         state_ptr: cute.Pointer,
@@ -181,6 +212,8 @@ class KdaDecodeKernel:
             a_log_ptr,
             dt_bias_ptr,
             norm_weight_ptr,
+            f_b_ptr,
+            g_b_ptr,
             slot_ptr,
             conv_state_ptr,
             state_ptr,
@@ -190,7 +223,7 @@ class KdaDecodeKernel:
         ).launch(  # fmt: skip
             grid=[self.num_heads, batch, 1],
             block=[self.warps * WARP_THREADS, 1, 1],
-            smem=smem_bytes(self.warps),
+            smem=smem_bytes(self.warps, self.low_rank_gates),
             stream=stream,
             use_pdl=self.use_pdl,
         )
@@ -209,6 +242,8 @@ class KdaDecodeKernel:
         a_log_ptr: cute.Pointer,
         dt_bias_ptr: cute.Pointer,
         norm_weight_ptr: cute.Pointer,
+        f_b_ptr: cute.Pointer,
+        g_b_ptr: cute.Pointer,
         slot_ptr: cute.Pointer,
         conv_state_ptr: cute.Pointer,
         state_ptr: cute.Pointer,
@@ -263,6 +298,34 @@ class KdaDecodeKernel:
         bias_d = dt_bias[channel]
         neg_a = -cute.math.exp(a_log[head])
         gamma_d = norm_w[d]
+        if const_expr(self.low_rank_gates):
+            # f_b / g_b rows of this head: [matrix, channel, vector, element].
+            gate_w_s = smem.allocate_tensor(
+                BFloat16,
+                cute.make_layout(
+                    (GATE_MATRICES, HEAD_DIM, GATE_VECTORS, BF16_PER_VECTOR),
+                    stride=(
+                        HEAD_DIM * GATE_ROW_PITCH,
+                        GATE_ROW_PITCH,
+                        BF16_PER_VECTOR,
+                        1,
+                    ),
+                ),
+                byte_alignment=16,
+            )
+            # f_a(x), g_a(x) of this row (FP32 of the bf16 inputs), and g2.
+            low_rank_s = smem.allocate_tensor(
+                Float32,
+                cute.make_layout(
+                    (GATE_MATRICES, GATE_VECTORS, BF16_PER_VECTOR),
+                    stride=(GATE_RANK, BF16_PER_VECTOR, 1),
+                ),
+                byte_alignment=16,
+            )
+            g2_s = smem.allocate_tensor(Float32, cute.make_layout((HEAD_DIM,)), 16)
+            self._stage_gate_weights(tidx, head, f_b_ptr, 0, gate_w_s)
+            self._stage_gate_weights(tidx, head, g_b_ptr, 1, gate_w_s)
+            cute.arch.cp_async_commit_group()
 
         if const_expr(self.use_pdl and not self.state_loads_before_wait):
             cute.arch.griddepcontrol_wait()
@@ -310,14 +373,19 @@ class KdaDecodeKernel:
                 self._load_inputs(
                     row, channel, q_ptr, k_ptr, v_ptr, g1_ptr, g2_ptr, inputs, gate_in
                 )
-                self._conv_and_gate(
-                    d, channel, taps_w, bias_d, neg_a, conv, inputs, history,
-                    gate_in, qkv_s, decay_s,
-                )  # fmt: skip
             if tidx == HEAD_DIM:
                 betas = cute.make_tensor(beta_ptr, cute.make_layout((1 << 30,)))
                 logit = betas[row * self.beta_row_stride + head].to(Float32)
                 beta_s[0] = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logit))
+            if const_expr(self.low_rank_gates):
+                self._gate_projections(
+                    tidx, row, g1_ptr, g2_ptr, gate_w_s, low_rank_s, g2_s, gate_in
+                )
+            if tidx < HEAD_DIM:
+                self._conv_and_gate(
+                    d, channel, taps_w, bias_d, neg_a, conv, inputs, history,
+                    gate_in, qkv_s, decay_s,
+                )  # fmt: skip
             gate_out = gate_in[1].to(Float32)
             cute.arch.sync_threads()
 
@@ -393,10 +461,16 @@ class KdaDecodeKernel:
                 rstd = cute.math.rsqrt(
                     total / Float32(HEAD_DIM) + Float32(self.norm_eps)
                 )
-                gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-gate_out))
+                gate_pre = gate_out
+                if const_expr(self.low_rank_gates):
+                    gate_pre = g2_s[d]
+                gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-gate_pre))
                 normed = o_s[d] * rstd * gamma_d.to(Float32) * gate
                 out = cute.make_tensor(out_ptr, cute.make_layout((1 << 30,)))
                 out[row * self.out_row_stride + channel] = normed.to(BFloat16)
+        if const_expr(self.low_rank_gates):
+            # Padding rows skipped the wait above: no copy may outlive the CTA.
+            cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def _conv_page(self, conv_state_ptr, slot, conv_slot_stride):
@@ -416,6 +490,69 @@ class KdaDecodeKernel:
         )
 
     @cute.jit
+    def _stage_gate_weights(self, tidx, head, weight_ptr, matrix: int, gate_w_s):
+        """cp.async this head's GATE_RANK-wide rows of one gate weight into
+        ``gate_w_s[matrix]``: 16-byte vectors, consecutive threads on
+        consecutive vectors of a row (coalesced)."""
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=8 * 2 * BF16_PER_VECTOR
+        )
+        weight = cute.make_tensor(
+            weight_ptr,
+            cute.make_layout(
+                (self.proj, GATE_VECTORS, BF16_PER_VECTOR),
+                stride=(GATE_RANK, BF16_PER_VECTOR, 1),
+            ),
+        )
+        threads = self.warps * WARP_THREADS
+        for i in cutlass.range_constexpr(HEAD_DIM * GATE_VECTORS // threads):
+            vector = i * threads + tidx
+            channel = vector // GATE_VECTORS
+            part = vector % GATE_VECTORS
+            cute.copy(
+                atom,
+                weight[head * HEAD_DIM + channel, part, None],
+                gate_w_s[matrix, channel, part, None],
+            )
+
+    @cute.jit
+    def _gate_projections(
+        self, tidx, row, g1_ptr, g2_ptr, gate_w_s, low_rank_s, g2_s, gate_in
+    ):
+        """g1 (threads 0..127, into gate_in[0]) and g2 (threads 128..255, into
+        g2_s) of channel tidx % 128: one row of f_b / g_b times f_a(x) / g_a(x)."""
+        d = tidx % HEAD_DIM
+        matrix = tidx // HEAD_DIM
+        # This row's low-rank inputs, one element per thread.
+        f_a = cute.make_tensor(g1_ptr, cute.make_layout((1 << 30,)))
+        g_a = cute.make_tensor(g2_ptr, cute.make_layout((1 << 30,)))
+        if tidx < HEAD_DIM:
+            low_rank_s[0, d // BF16_PER_VECTOR, d % BF16_PER_VECTOR] = f_a[
+                row * self.g1_row_stride + d
+            ].to(Float32)
+        elif tidx < GATE_MATRICES * HEAD_DIM:
+            low_rank_s[1, d // BF16_PER_VECTOR, d % BF16_PER_VECTOR] = g_a[
+                row * self.g2_row_stride + d
+            ].to(Float32)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        if tidx < GATE_MATRICES * HEAD_DIM:
+            acc = [Float32(0.0) for _ in range(GATE_ACCUMULATORS)]
+            for j in cutlass.range_constexpr(GATE_VECTORS):
+                w8 = cute.make_rmem_tensor((BF16_PER_VECTOR,), BFloat16)
+                x8 = cute.make_rmem_tensor((BF16_PER_VECTOR,), Float32)
+                cute.autovec_copy(gate_w_s[matrix, d, j, None], w8)
+                cute.autovec_copy(low_rank_s[matrix, j, None], x8)
+                for e in cutlass.range_constexpr(BF16_PER_VECTOR):
+                    a = e % GATE_ACCUMULATORS
+                    acc[a] = acc[a] + w8[e].to(Float32) * x8[e]
+            total = (acc[0] + acc[1]) + (acc[2] + acc[3])
+            if matrix == 0:
+                gate_in[0] = total.to(BFloat16)
+            else:
+                g2_s[d] = total.to(BFloat16).to(Float32)
+
+    @cute.jit
     def _load_history(self, channel, conv, history):
         """This thread's channel of the three conv histories (q, k, v)."""
         for s in cutlass.range_constexpr(STREAMS):
@@ -426,15 +563,16 @@ class KdaDecodeKernel:
     def _load_inputs(
         self, row, channel, q_ptr, k_ptr, v_ptr, g1_ptr, g2_ptr, inputs, gate_in
     ):
-        """This thread's channel of q, k, v, g1 and g2."""
+        """This thread's channel of q, k, v (and of g1, g2 unless low-rank)."""
         sources = (q_ptr, k_ptr, v_ptr)
         for s in cutlass.range_constexpr(STREAMS):
             src = cute.make_tensor(sources[s], cute.make_layout((1 << 30,)))
             inputs[s] = src[row * self.qkv_row_strides[s] + channel]
-        g1 = cute.make_tensor(g1_ptr, cute.make_layout((1 << 30,)))
-        g2 = cute.make_tensor(g2_ptr, cute.make_layout((1 << 30,)))
-        gate_in[0] = g1[row * self.g1_row_stride + channel]
-        gate_in[1] = g2[row * self.g2_row_stride + channel]
+        if const_expr(not self.low_rank_gates):  # else: _gate_projections
+            g1 = cute.make_tensor(g1_ptr, cute.make_layout((1 << 30,)))
+            g2 = cute.make_tensor(g2_ptr, cute.make_layout((1 << 30,)))
+            gate_in[0] = g1[row * self.g1_row_stride + channel]
+            gate_in[1] = g2[row * self.g2_row_stride + channel]
 
     @cute.jit
     def _conv_and_gate(

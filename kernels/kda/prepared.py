@@ -25,6 +25,7 @@ from ..common.host import current_stream, gmem_ptr
 from .kernel import (
     CONV_TAPS,
     CONV_WIDTH,
+    GATE_RANK,
     HEAD_DIM,
     STREAMS,
     SUPPORTED_WARPS,
@@ -63,6 +64,24 @@ def _rows(name, t, dtype, batch, width, device) -> int:
     return t.stride(0) if batch > 1 else width
 
 
+def _gate_weights(gate_weights, proj, device):
+    """Validate the optional (f_b, g_b) pair; return it as detached tensors."""
+    if gate_weights is None:
+        return None
+    if not isinstance(gate_weights, (tuple, list)) or len(gate_weights) != 2:
+        raise ValueError("gate_weights must be the (f_b, g_b) weights")
+    checked = []
+    for name, w in zip(("f_b", "g_b"), gate_weights):
+        _tensor(name, w, torch.bfloat16, (proj, GATE_RANK), device)
+        if not w.is_contiguous() or w.data_ptr() % 16:
+            raise ValueError(
+                f"{name} must be contiguous with a 16-byte aligned base (cp.async "
+                f"of 16-byte vectors), strides {w.stride()}, address {w.data_ptr():#x}"
+            )
+        checked.append(w.detach())
+    return tuple(checked)
+
+
 class PreparedKda:
     """One KDA layer's decode step: conv + gate + delta rule + gated RMSNorm.
 
@@ -77,6 +96,11 @@ class PreparedKda:
       before waiting for the previous kernel (see kernel.py).  Only where no
       kernel chained before a launch writes them: inside a decode graph, not
       for back-to-back launches on one layer.
+    gate_weights: optional ``(f_b, g_b)`` weights, bf16 ``[H*D, 128]``
+      contiguous with 16-byte aligned bases (vLLM's f_b_proj / g_b_proj
+      weights, read in place).  ``run()`` then takes ``f_a(x)`` and
+      ``g_a(x)`` (``[B, 128]``) as ``g1`` and ``g2`` and the kernel applies
+      f_b and g_b itself (one launch less before the step).
     Caches (strided views are fine; nothing is copied):
       conv_state: bf16, ``[slots, 3, 3*H*D]`` (vLLM's SD layout) or
         ``[slots, 3*H*D, 3]`` with ``conv_layout="DS"``; channels q | k | v.
@@ -98,6 +122,7 @@ class PreparedKda:
         use_pdl: bool = True,
         warps: int = WARPS,
         state_loads_before_wait: bool = False,
+        gate_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     ):
         if warps not in SUPPORTED_WARPS:
             raise ValueError(f"warps must be one of {SUPPORTED_WARPS}, got {warps}")
@@ -189,6 +214,10 @@ class PreparedKda:
                 raise ValueError(
                     f"{name} is on {getattr(self, name).device}, state on {device}"
                 )
+        self.gate_weights = _gate_weights(gate_weights, proj, device)
+        self.low_rank_gates = self.gate_weights is not None
+        # Width of run()'s g1 / g2: the low-rank inputs or the full gate inputs.
+        self.gate_width = GATE_RANK if self.low_rank_gates else proj
 
         self.device, self.num_heads, self.proj = device, heads, proj
         self.norm_eps, self.use_pdl = norm_eps, use_pdl
@@ -197,11 +226,15 @@ class PreparedKda:
         self.num_slots = recurrent_state.shape[0]
         self._layout = (s_head, s_row, c_tap, c_channel)
         self._slot_strides = (cutlass.Int64(c_slot), cutlass.Int64(s_slot))
+        # Without gate weights the kernel ignores its f_b / g_b pointers.
+        f_b, g_b = self.gate_weights or (self.norm_weight, self.norm_weight)
         self._static_ptrs = (
             gmem_ptr(self.conv_weight, cutlass.Float32),
             gmem_ptr(self.a_log, cutlass.Float32, 4),
             gmem_ptr(self.dt_bias, cutlass.Float32, 4),
             gmem_ptr(self.norm_weight, cutlass.Float32, 4),
+            gmem_ptr(f_b, cutlass.BFloat16, 16),
+            gmem_ptr(g_b, cutlass.BFloat16, 16),
         )
         self._cache_ptrs = (
             gmem_ptr(conv_state, cutlass.BFloat16, 2),
@@ -212,7 +245,7 @@ class PreparedKda:
     def _key(self, row_strides: tuple) -> tuple:
         return (
             self.num_heads, row_strides, self._layout, self.norm_eps, self.use_pdl,
-            self.warps, self.state_loads_before_wait,
+            self.warps, self.state_loads_before_wait, self.low_rank_gates,
         )  # fmt: skip
 
     def compile(self, row_strides: tuple) -> float:
@@ -227,14 +260,14 @@ class PreparedKda:
                 s_head, s_row, c_tap, c_channel, norm_eps=self.norm_eps,
                 use_pdl=self.use_pdl, warps=self.warps,
                 state_loads_before_wait=self.state_loads_before_wait,
+                low_rank_gates=self.low_rank_gates,
             )  # fmt: skip
             bf16 = gmem_ptr(self.norm_weight, cutlass.BFloat16, 2)
             slots = gmem_ptr(self.a_log, cutlass.Int32, 4)
-            cw, al, dt, nw = self._static_ptrs
             conv, state = self._cache_ptrs
             start = time.perf_counter()
             _COMPILED[key] = cute.compile(
-                kern, bf16, bf16, bf16, bf16, bf16, bf16, cw, al, dt, nw, slots,
+                kern, bf16, bf16, bf16, bf16, bf16, bf16, *self._static_ptrs, slots,
                 conv, state, bf16, cutlass.Int32(1), *self._slot_strides,
                 current_stream(self.device),
             )  # fmt: skip
@@ -257,7 +290,8 @@ class PreparedKda:
 
         q, k, v: projections before the conv, g1: ``f_b(f_a(x))`` (gate input),
         g2: ``g_b(g_a(x))`` (output gate), all ``[B, H*D]`` bf16 with rows
-        of any stride; beta_logits: ``b_proj(x)`` ``[B, H]`` bf16;
+        of any stride (with ``gate_weights``: g1 = ``f_a(x)``, g2 =
+        ``g_a(x)``, ``[B, 128]``); beta_logits: ``b_proj(x)`` ``[B, H]`` bf16;
         slot_indices: int32 ``[>= B]`` contiguous.  Rows with slot <= 0 leave
         ``out`` and both caches untouched.  Raises before launching on any
         wrong dtype, shape, device or layout.
@@ -268,13 +302,14 @@ class PreparedKda:
         if not 1 <= batch <= MAX_BATCH:
             raise ValueError(f"batch={batch} is outside 1..{MAX_BATCH}")
         bf16, proj, dev = torch.bfloat16, self.proj, self.device
+        gates = self.gate_width
         strides = (
             _rows("q", q, bf16, batch, proj, dev),
             _rows("k", k, bf16, batch, proj, dev),
             _rows("v", v, bf16, batch, proj, dev),
-            _rows("g1", g1, bf16, batch, proj, dev),
+            _rows("g1", g1, bf16, batch, gates, dev),
             _rows("beta_logits", beta_logits, bf16, batch, self.num_heads, dev),
-            _rows("g2", g2, bf16, batch, proj, dev),
+            _rows("g2", g2, bf16, batch, gates, dev),
             _rows("out", out, bf16, batch, proj, dev),
         )
         _tensor("slot_indices", slot_indices, torch.int32, None, dev)
@@ -290,11 +325,10 @@ class PreparedKda:
         if fn is None:
             self.compile(strides)
             fn = _COMPILED[key]
-        cw, al, dt, nw = self._static_ptrs
         conv, state = self._cache_ptrs
         p = lambda t: gmem_ptr(t, cutlass.BFloat16, 2)  # noqa: E731
         fn(
-            p(q), p(k), p(v), p(g1), p(beta_logits), p(g2), cw, al, dt, nw,
+            p(q), p(k), p(v), p(g1), p(beta_logits), p(g2), *self._static_ptrs,
             gmem_ptr(slot_indices, cutlass.Int32, 4), conv, state, p(out),
             cutlass.Int32(batch), *self._slot_strides, current_stream(dev),
         )  # fmt: skip

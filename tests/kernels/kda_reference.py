@@ -18,6 +18,12 @@ import torch
 HEAD_DIM = 128
 
 
+def gate_projection(low_rank: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``f_b(f_a(x))`` from ``f_a(x)`` [B, R] and f_b's weight [H*D, R] (or the
+    same for g): FP32 products, rounded to bf16 as the stock linear's output."""
+    return (low_rank.float() @ weight.float().t()).to(torch.bfloat16)
+
+
 def conv_view(conv_state: torch.Tensor, layout: str = "SD") -> torch.Tensor:
     """[slots, 3 taps, channels] view of vLLM's conv state."""
     return conv_state if layout == "SD" else conv_state.transpose(1, 2)

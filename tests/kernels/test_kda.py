@@ -17,6 +17,9 @@ Tolerances:
     |got - ref| <= 2e-2 + 2e-2 |ref| and normwise <= 5e-3;
   * padding rows: output rows keep their NaN poison, their slots (and every
     slot not in the batch) stay bit-identical.
+With low-rank gates (``gate_weights``) the kernel takes f_a(x), g_a(x) and
+applies f_b, g_b itself; the reference forms g1, g2 in FP32, rounded to bf16
+as the stock projections' outputs, and the same tolerances apply.
 Needs an SM90 GPU and nvidia-cutlass-dsl; skips with the reason otherwise.
 The comparison with vLLM 0.26.0's own Triton path runs only where vLLM is
 importable (skipped with the reason otherwise).
@@ -34,8 +37,14 @@ if torch.cuda.get_device_capability() != (9, 0):
         allow_module_level=True,
     )
 
-from kda_reference import HEAD_DIM, reference_step, vectorized_step  # noqa: E402
+from kda_reference import (  # noqa: E402
+    HEAD_DIM,
+    gate_projection,
+    reference_step,
+    vectorized_step,
+)
 
+from kernels.kda.kernel import GATE_RANK  # noqa: E402
 from kernels.kda.prepared import PreparedKda  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -52,7 +61,10 @@ class Layer:
     """Weights + cache pages of one KDA layer, with a deep copy for the
     reference.  ``state_row_pad`` pads each state row (strided row view)."""
 
-    def __init__(self, seed, state_row_pad=0, use_pdl=True, warps=8, state_early=False):
+    def __init__(
+        self, seed, state_row_pad=0, use_pdl=True, warps=8, state_early=False,
+        low_rank=False,
+    ):  # fmt: skip
         gen = torch.Generator(device="cuda").manual_seed(seed)
         self.gen = gen
         dev = "cuda"
@@ -81,12 +93,29 @@ class Layer:
         )
         self.ref_conv = self.conv_state.clone()
         self.ref_state = self.state.clone()
+        # f_b, g_b [H*D, 128]: std 1/sqrt(128), so g1 and g2 are O(1) like the
+        # full-width inputs of the other tests.
+        self.gate_weights = None
+        if low_rank:
+            self.gate_weights = tuple(
+                (torch.randn(PROJ, GATE_RANK, device=dev, generator=gen) * GATE_RANK**-0.5).to(
+                    torch.bfloat16
+                )
+                for _ in range(2)
+            )
         self.prepared = PreparedKda(
             tuple(w.view(PROJ, 1, 4) for w in self.conv_weight),
             self.a_log, self.dt_bias, self.norm_weight, self.conv_state, self.state,
             num_heads=HEADS, use_pdl=use_pdl, warps=warps,
-            state_loads_before_wait=state_early,
+            state_loads_before_wait=state_early, gate_weights=self.gate_weights,
         )  # fmt: skip
+
+    def full_gates(self, g1, g2):
+        """The reference's g1, g2: the inputs, or f_b f_a(x), g_b g_a(x)."""
+        if self.gate_weights is None:
+            return g1, g2
+        f_b, g_b = self.gate_weights
+        return gate_projection(g1, f_b), gate_projection(g2, g_b)
 
     def ref_kwargs(self):
         return dict(
@@ -96,7 +125,9 @@ class Layer:
 
     def inputs(self, batch, qkv_pitch=None):
         """q, k, v, g1, beta_logits, g2; q/k/v are column blocks of one packed
-        projection when ``qkv_pitch`` is given (strided rows)."""
+        projection when ``qkv_pitch`` is given (strided rows).  With low-rank
+        gates g1, g2 are f_a(x), g_a(x): columns of the same packed rows when
+        ``qkv_pitch`` is given (as in the executor's fused in_proj)."""
         gen = self.gen
         rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
         if qkv_pitch:
@@ -104,9 +135,14 @@ class Layer:
             q, k, v = (packed[:, i * PROJ : (i + 1) * PROJ] for i in range(3))
         else:
             q, k, v = (rnd(batch, PROJ).to(torch.bfloat16) for _ in range(3))
-        g1 = rnd(batch, PROJ).to(torch.bfloat16)
         beta = rnd(batch, HEADS).to(torch.bfloat16)
-        g2 = rnd(batch, PROJ).to(torch.bfloat16)
+        if self.gate_weights is None:
+            g1, g2 = (rnd(batch, PROJ).to(torch.bfloat16) for _ in range(2))
+        elif qkv_pitch:
+            low = 3 * PROJ + HEADS
+            g1, g2 = (packed[:, low + i * GATE_RANK : low + (i + 1) * GATE_RANK] for i in range(2))
+        else:
+            g1, g2 = (rnd(batch, GATE_RANK).to(torch.bfloat16) for _ in range(2))
         return q, k, v, g1, beta, g2
 
 
@@ -181,8 +217,9 @@ def _run_steps(layer, batch, steps, pads, qkv_pitch=None, seed=0):
         q, k, v, g1, beta, g2 = layer.inputs(batch, qkv_pitch)
         out = torch.full((batch, PROJ), float("nan"), device="cuda", dtype=torch.bfloat16)
         layer.prepared.run(q, k, v, g1, beta, g2, slots, out)
+        f1, f2 = layer.full_gates(g1, g2)
         ref = ref_fn(
-            q, k, v, g1, beta, g2, slots, layer.ref_conv, layer.ref_state,
+            q, k, v, f1, beta, f2, slots, layer.ref_conv, layer.ref_state,
             **layer.ref_kwargs(),
         )  # fmt: skip
         torch.cuda.synchronize()
@@ -193,27 +230,36 @@ def _run_steps(layer, batch, steps, pads, qkv_pitch=None, seed=0):
 
 
 @pytest.mark.parametrize(
-    "batch,steps,warps,state_early",
+    "batch,steps,warps,state_early,low_rank",
     [
-        (1, 256, 8, False),
-        (2, 16, 8, False),
-        (3, 16, 8, False),
-        (8, 16, 8, False),
-        (16, 256, 8, False),
-        (33, 16, 8, False),
-        (64, 256, 8, False),
-        (5, 16, 16, False),
-        (64, 256, 16, False),
-        # The decode executor's variant; every launch here follows torch
-        # kernels (the inputs), which PDL does not overlap.
-        (1, 256, 8, True),
-        (3, 16, 8, True),
-        (16, 16, 8, True),
-        (64, 256, 8, True),
+        (1, 256, 8, False, False),
+        (2, 16, 8, False, False),
+        (3, 16, 8, False, False),
+        (8, 16, 8, False, False),
+        (16, 256, 8, False, False),
+        (33, 16, 8, False, False),
+        (64, 256, 8, False, False),
+        (5, 16, 16, False, False),
+        (64, 256, 16, False, False),
+        # The decode executor's variant (state loads before the wait, f_b /
+        # g_b inside); every launch here follows torch kernels (the inputs),
+        # which PDL does not overlap.
+        (1, 256, 8, True, False),
+        (3, 16, 8, True, False),
+        (16, 16, 8, True, False),
+        (64, 256, 8, True, False),
+        (1, 256, 8, True, True),
+        (2, 16, 8, True, True),
+        (3, 16, 8, True, True),
+        (8, 16, 8, True, True),
+        (16, 256, 8, True, True),
+        (64, 16, 8, True, True),
+        (4, 16, 8, False, True),
+        (5, 16, 16, False, True),
     ],
 )
-def test_steps_match_reference(batch, steps, warps, state_early):
-    layer = Layer(seed=batch, warps=warps, state_early=state_early)
+def test_steps_match_reference(batch, steps, warps, state_early, low_rank):
+    layer = Layer(seed=batch, warps=warps, state_early=state_early, low_rank=low_rank)
     # Padding rows at positions 0 and 2 for batches that have room for them.
     pads = (0, 2) if batch >= 3 else ()
     _run_steps(layer, batch, steps, pads, seed=batch)
@@ -225,6 +271,13 @@ def test_strided_activations_and_state_rows():
     layer = Layer(seed=7, state_row_pad=4)
     assert layer.state.stride(2) == HEAD_DIM + 4
     _run_steps(layer, 16, 16, pads=(5,), qkv_pitch=3 * PROJ + 256, seed=7)
+
+
+def test_low_rank_gates_from_the_fused_projection_rows():
+    """The executor's layout: q | k | v | b | f_a | g_a columns of one
+    [B, 12576] in_proj output, f_b / g_b applied in the kernel."""
+    layer = Layer(seed=9, state_early=True, low_rank=True)
+    _run_steps(layer, 8, 16, pads=(2,), qkv_pitch=3 * PROJ + HEADS + 2 * GATE_RANK, seed=9)
 
 
 def test_padding_only_batch_touches_nothing():
@@ -240,17 +293,23 @@ def test_padding_only_batch_touches_nothing():
 
 
 @pytest.mark.parametrize(
-    "use_pdl,warps,state_early",
-    [(True, 8, False), (False, 8, False), (True, 16, False), (True, 8, True)],
-    ids=["pdl", "no_pdl", "pdl_w16", "pdl_state_early"],
+    "use_pdl,warps,state_early,low_rank",
+    [
+        (True, 8, False, False),
+        (False, 8, False, False),
+        (True, 16, False, False),
+        (True, 8, True, False),
+        (True, 8, True, True),
+    ],
+    ids=["pdl", "no_pdl", "pdl_w16", "pdl_state_early", "pdl_state_early_low_rank"],
 )
-def test_graph_replays_bit_identical(use_pdl, warps, state_early):
+def test_graph_replays_bit_identical(use_pdl, warps, state_early, low_rank):
     """300 replays of a captured step equal 300 eager launches bit for bit
     (and stay within tolerance of the reference).  With state loads before
     the PDL wait, eager launches on one layer must not be chained (they would
     read a state the previous launch is still writing): a torch kernel
     separates them, as graph launches separate the replays."""
-    layer = Layer(seed=21, use_pdl=use_pdl, warps=warps, state_early=state_early)
+    layer = Layer(seed=21, use_pdl=use_pdl, warps=warps, state_early=state_early, low_rank=low_rank)
     separator = torch.zeros(1, device="cuda")
     batch, replays = 8, 300
     gen = torch.Generator().manual_seed(21)
@@ -285,9 +344,10 @@ def test_graph_replays_bit_identical(use_pdl, warps, state_early):
     assert torch.equal(layer.pages.view(torch.int32), eager_pages.view(torch.int32))
     assert torch.equal(out.view(torch.int16), eager_out.view(torch.int16))
 
+    f1, f2 = layer.full_gates(g1, g2)
     for _ in range(replays):
         ref = _batched_reference(
-            q, k, v, g1, beta, g2, slots, layer.ref_conv, layer.ref_state,
+            q, k, v, f1, beta, f2, slots, layer.ref_conv, layer.ref_state,
             **layer.ref_kwargs(),
         )  # fmt: skip
     _check_out(out.cpu(), ref.cpu(), (slots > 0).cpu(), "after 300 replays")
@@ -295,8 +355,10 @@ def test_graph_replays_bit_identical(use_pdl, warps, state_early):
     assert rel <= STATE_RTOL[256], f"state rel err {rel:.2e} after {replays} replays"
 
 
-def test_matches_vllm_triton_path():
-    """Same inputs through vLLM 0.26.0's own decode kernels, where importable."""
+@pytest.mark.parametrize("low_rank", [False, True], ids=["full_gates", "low_rank_gates"])
+def test_matches_vllm_triton_path(low_rank):
+    """Same inputs through vLLM 0.26.0's own decode kernels, where importable
+    (low-rank gates: f_b / g_b as stock applies them, bf16 F.linear)."""
     try:
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import (
             causal_conv1d_update,
@@ -308,7 +370,7 @@ def test_matches_vllm_triton_path():
         )
     except Exception as exc:  # vLLM absent or not importable on this host
         pytest.skip(f"vLLM's Triton KDA path is not importable here: {exc!r}")
-    layer = Layer(seed=31)
+    layer = Layer(seed=31, low_rank=low_rank)
     batch = 6
     gen = torch.Generator().manual_seed(31)
     slots = _slots(batch, (1,), gen)
@@ -319,6 +381,9 @@ def test_matches_vllm_triton_path():
         q, k, v, g1, beta_logits, g2 = layer.inputs(batch)
         out = torch.full((batch, PROJ), float("nan"), device="cuda", dtype=torch.bfloat16)
         layer.prepared.run(q, k, v, g1, beta_logits, g2, slots, out)
+        if low_rank:
+            f_b, g_b = layer.gate_weights
+            g1, g2 = torch.nn.functional.linear(g1, f_b), torch.nn.functional.linear(g2, g_b)
         convs = []
         for x, cs, w in zip((q, k, v), (cq, ck, cv), layer.conv_weight):
             convs.append(
@@ -377,6 +442,37 @@ def test_bad_input_raises_before_launch(case):
     torch.cuda.synchronize()
     assert torch.equal(layer.pages.view(torch.int32), pages.view(torch.int32))
     assert out.isnan().all(), "output touched although the input was refused"
+
+
+def test_low_rank_gates_refuse_full_width_inputs():
+    layer = Layer(seed=45, low_rank=True)
+    q, k, v, _, beta, _ = layer.inputs(2)
+    full = torch.zeros(2, PROJ, device="cuda", dtype=torch.bfloat16)
+    low = torch.zeros(2, GATE_RANK, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([3, 5], dtype=torch.int32, device="cuda")
+    out = torch.full((2, PROJ), float("nan"), device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="g1 must have shape"):
+        layer.prepared.run(q, k, v, full, beta, low, slots, out)
+    with pytest.raises(ValueError, match="g2 must have shape"):
+        layer.prepared.run(q, k, v, low, beta, full, slots, out)
+    assert out.isnan().all()
+
+
+def test_bad_gate_weights():
+    layer = Layer(seed=47)
+    w = tuple(x.view(PROJ, 1, 4) for x in layer.conv_weight)
+    args = (w, layer.a_log, layer.dt_bias, layer.norm_weight, layer.conv_state, layer.state)
+    good = torch.zeros(PROJ, GATE_RANK, device="cuda", dtype=torch.bfloat16)
+    cases = [
+        ((good,), ValueError, "the \\(f_b, g_b\\) weights"),
+        ((good.float(), good), TypeError, "f_b must be torch.bfloat16"),
+        ((good, good[:, :64]), ValueError, "g_b must have shape"),
+        ((good, good.t().contiguous().t()), ValueError, "g_b must be contiguous"),
+        ((good.cpu(), good), ValueError, "f_b is on cpu"),
+    ]
+    for gates, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            PreparedKda(*args, gate_weights=gates)
 
 
 def test_bad_layer_arguments():

@@ -21,7 +21,7 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from ptx_dump import compiled_ptx  # noqa: E402
 
-from kernels.kda.kernel import HEAD_DIM, KdaDecodeKernel  # noqa: E402
+from kernels.kda.kernel import GATE_RANK, HEAD_DIM, KdaDecodeKernel  # noqa: E402
 
 
 def _ptr(dtype, align=16):
@@ -31,15 +31,16 @@ def _ptr(dtype, align=16):
 
 def _kernel(
     heads=32, qkv_pitch=None, state_row=HEAD_DIM, conv_ds=False, use_pdl=True, warps=8,
-    state_early=False,
+    state_early=False, low_rank=False,
 ):  # fmt: skip
     proj = heads * HEAD_DIM
     pitch = qkv_pitch or proj
+    gate_pitch = qkv_pitch or (GATE_RANK if low_rank else proj)
     conv_tap, conv_channel = (1, 3) if conv_ds else (3 * proj, 1)
     return KdaDecodeKernel(
-        heads, (pitch, pitch, pitch), proj, heads, proj, proj,
+        heads, (pitch, pitch, pitch), gate_pitch, heads, gate_pitch, proj,
         HEAD_DIM * state_row, state_row, conv_tap, conv_channel, use_pdl=use_pdl,
-        warps=warps, state_loads_before_wait=state_early,
+        warps=warps, state_loads_before_wait=state_early, low_rank_gates=low_rank,
     )  # fmt: skip
 
 
@@ -53,14 +54,21 @@ VARIANTS = {
     "sixteen_warps": {"warps": 16},
     "sixteen_warps_padded_rows": {"warps": 16, "state_row": HEAD_DIM + 4},
     "state_loads_before_wait": {"state_early": True},
+    # The decode executor's variant: f_a | g_a columns of the fused in_proj rows.
+    "low_rank_gates_executor": {"state_early": True, "low_rank": True, "qkv_pitch": 12576},
+    "low_rank_gates": {"low_rank": True},
+    "low_rank_gates_no_pdl": {"low_rank": True, "use_pdl": False},
+    "low_rank_gates_sixteen_warps": {"low_rank": True, "warps": 16},
 }
 
 
 def _compile(kern):
     bf16, f32 = _ptr(cutlass.BFloat16, 2), _ptr(cutlass.Float32)
+    bf16_16 = _ptr(cutlass.BFloat16)  # f_b, g_b: 16-byte aligned for cp.async
     return cute.compile(
         kern, bf16, bf16, bf16, bf16, bf16, bf16, f32, _ptr(cutlass.Float32, 4),
-        _ptr(cutlass.Float32, 4), _ptr(cutlass.Float32, 4), _ptr(cutlass.Int32, 4),
+        _ptr(cutlass.Float32, 4), _ptr(cutlass.Float32, 4), bf16_16, bf16_16,
+        _ptr(cutlass.Int32, 4),
         bf16, f32, bf16, cutlass.Int32(1), cutlass.Int64(1 << 20), cutlass.Int64(1 << 21),
         cuda.CUstream(0),
     )  # fmt: skip
@@ -100,6 +108,26 @@ def test_state_loads_before_wait_leave_only_inputs_after_it(tmp_path):
     assert before.count("ld.global.b16") + before.count("ld.global.u16") >= 9
     assert after.count("ld.global.b16") + after.count("ld.global.u16") >= 5
     assert "st.global" not in before
+
+
+def test_low_rank_gate_weights_are_copied_before_the_wait(tmp_path):
+    """low_rank_gates: the head's f_b and g_b rows (2 x 128 x 16 vectors of 16
+    bytes over 256 threads: 16 cp.async per thread) are issued before
+    griddepcontrol.wait, with the state loads; no spills."""
+    text = compiled_ptx(
+        tmp_path, "test_kda_compile",
+        "_compile(t._kernel(state_early=True, low_rank=True, qkv_pitch=12576))",
+    )  # fmt: skip
+    wait = text.index("griddepcontrol.wait")
+    before, after = text[:wait], text[wait:]
+    copies = before.count("cp.async.ca.shared.global") + before.count("cp.async.cg.shared.global")
+    assert copies == 16
+    assert "cp.async.commit_group" in before
+    assert "cp.async.wait_group" in after
+    assert before.count("ld.global.v4.b32") + before.count("ld.global.v4.f32") >= 19
+    # q, k, v and the two low-rank inputs after the wait; no full-width g1/g2.
+    assert after.count("ld.global.b16") + after.count("ld.global.u16") >= 5
+    assert ".local" not in text, "register spill / local array in the kernel"
 
 
 def test_rejects_bad_configs():

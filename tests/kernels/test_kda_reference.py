@@ -11,7 +11,12 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-from kda_reference import HEAD_DIM, reference_step, vectorized_step  # noqa: E402
+from kda_reference import (  # noqa: E402
+    HEAD_DIM,
+    gate_projection,
+    reference_step,
+    vectorized_step,
+)
 
 HEADS = 4
 PROJ = HEADS * HEAD_DIM
@@ -105,3 +110,15 @@ def test_beta_one_writes_v_along_k():
     vs = conv_out(2, v).view(HEADS, HEAD_DIM)
     kn = ks / torch.sqrt((ks * ks).sum(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(torch.einsum("hvk,hk->hv", state[5], kn), vs, rtol=1e-4, atol=1e-4)
+
+
+def test_gate_projection_is_the_linear_rounded_to_bf16():
+    gen = torch.Generator().manual_seed(5)
+    low = torch.randn(3, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(PROJ, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    got = gate_projection(low, weight)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, PROJ)
+    exact = low.double() @ weight.double().t()
+    # One bf16 rounding of an FP32 sum: within half a bf16 ulp (2^-9 relative) + FP32 noise.
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all()
+    assert not torch.equal(got.float(), (low.float() @ weight.float().t())), "not rounded"

@@ -209,9 +209,12 @@ class FakeGemm(Recorder):
 
 class FakeKda(Recorder):
     def run(self, q, k, v, g1, beta, g2, slots, out):
+        # g1, g2: f_a(x), g_a(x) (the kernel applies f_b, g_b: gate_weights).
         batch = q.shape[0]
-        for t in (q, k, v, g1, g2, out):
+        for t in (q, k, v, out):
             assert t.shape == (batch, PROJ) and t.stride(1) == 1
+        for t in (g1, g2):
+            assert t.shape == (batch, HEAD_DIM) and t.stride(1) == 1
         assert beta.shape == (batch, HEADS) and slots.shape[0] >= batch
         super().run(q, k, v, g1, beta, g2, slots, out)
 
@@ -236,10 +239,11 @@ class FakeKernels(decode.KernelFactory):
         return kernel
 
     def kda(self, conv_weights, a_log, dt_bias, norm_weight, conv_state, recurrent_state,
-            num_heads, norm_eps, conv_layout):  # fmt: skip
+            num_heads, norm_eps, conv_layout, gate_weights):  # fmt: skip
         kernel = FakeKda(
             self.log, "kda", conv_state=conv_state, recurrent_state=recurrent_state,
             conv_weights=conv_weights, a_log=a_log, layout=conv_layout,
+            gate_weights=gate_weights,
         )  # fmt: skip
         self.built.append(kernel)
         return kernel
@@ -334,12 +338,10 @@ def forward_context(model: nn.Module, batch: int, **overrides: Any) -> SimpleNam
 def test_kda_input_projections_become_one_weight_the_stock_layers_view():
     model = stand_in_model()
     attn = model.model.layers[1].self_attn
-    originals = {
-        n: getattr(attn, n).weight.clone() for n in ("q_proj", "k_proj", "v_proj", "b_proj")
-    }
+    originals = {n: getattr(attn, n).weight.clone() for n in decode.KDA_IN_PROJ_PARTS}
     _, executor, _ = build(model)
     fused = executor.layers[1].attn.in_proj.weight
-    assert fused.shape == (3 * PROJ + HEADS, HIDDEN)
+    assert fused.shape == (3 * PROJ + HEADS + 2 * HEAD_DIM, HIDDEN)
     row_bytes = HIDDEN * fused.element_size()
     for start, name in zip(executor.layers[1].attn.in_proj.offsets, originals):
         param = getattr(attn, name).weight
@@ -390,14 +392,23 @@ def test_mla_moe_dense_and_norm_tensors_are_the_models_own():
     assert o_proj.bound["norm"].data_ptr() == layers[0].post_attention_layernorm.weight.data_ptr()
 
 
-def test_block_diagonal_f_b_g_b_maps_f_a_to_g1_and_g_a_to_g2():
-    model, executor, _ = build()
+def test_kda_step_gets_f_b_g_b_in_place_and_the_f_a_g_a_columns():
+    model, executor, kernels = build()
+    allocate_caches(model)
+    executor.bind_kv_caches()
     attn = model.model.layers[0].self_attn
-    fgb = executor.layers[0].attn.fgb
-    fa, ga = torch.randn(3, HEAD_DIM), torch.randn(3, HEAD_DIM)
-    g12 = torch.cat([fa, ga], 1) @ fgb.T
-    torch.testing.assert_close(g12[:, :PROJ], fa @ attn.f_b_proj.weight.T)
-    torch.testing.assert_close(g12[:, PROJ:], ga @ attn.g_b_proj.weight.T)
+    kda = next(k for k in kernels.built if k.kind == "kda")
+    f_b, g_b = kda.bound["gate_weights"]
+    assert f_b.data_ptr() == attn.f_b_proj.weight.data_ptr()
+    assert g_b.data_ptr() == attn.g_b_proj.weight.data_ptr()
+    kernels.log.clear()
+    executor.run(torch.arange(2), torch.arange(2), forward_context(model, 2))
+    q, k, v, g1, beta, g2, *_ = next(args for op, _, args, _ in kernels.log if op == "kda")
+    proj = executor.buffers.rows("kda_proj", 2, 3 * PROJ + HEADS + 2 * HEAD_DIM)
+    row = proj.element_size()
+    columns = {"beta": 3 * PROJ, "f_a": 3 * PROJ + HEADS, "g_a": 3 * PROJ + HEADS + HEAD_DIM}
+    for view, column in zip((beta, g1, g2), columns.values()):
+        assert view.data_ptr() == proj.data_ptr() + column * row
 
 
 def test_bind_reads_every_kda_state_and_an_empty_cache_unbinds():
@@ -438,7 +449,7 @@ def test_moe_backend_that_repacks_the_experts_is_refused():
 def test_plan_is_the_op_sequence_of_each_layer_kind():
     _, executor, _ = build()
     ops = [(s.layer, s.op) for s in executor.plan]
-    kda = ["kda_fa_ga", "kda_fgb", "kda_in_proj", "kda_step", "o_proj"]
+    kda = ["kda_in_proj", "kda_step", "o_proj"]
     mla = ["mla_qkv_a", "mla_kv_a_norm", "mla_decode", "o_proj"]
     expected = [(-1, "kda_state_slots"), (-1, "embedding"), (-1, "input_norm")]
     expected += [(0, op) for op in kda + ["mlp_gate_up", "mlp_down"]]
@@ -480,8 +491,8 @@ def test_buffers_are_sized_for_the_largest_prepared_batch():
     _, executor, _ = build()
     assert executor.batch_sizes == (1, 2, 4, 8, 16)
     widths = executor.buffers.widths()
-    assert widths["kda_proj"] == 3 * PROJ + HEADS
-    assert widths["kda_g12"] == 2 * PROJ
+    assert widths["kda_proj"] == 3 * PROJ + HEADS + 2 * HEAD_DIM
+    assert "kda_g12" not in widths
     assert widths["mla_proj"] == HEADS * (NOPE + ROPE) + LORA + ROPE
     assert widths["attn_out"] == PROJ
     assert widths["mlp_act"] == INTER
@@ -500,10 +511,11 @@ def test_run_launches_the_plan_on_static_buffers(batch):
     assert out.shape == (batch, HIDDEN)
     assert out.data_ptr() == executor.buffers.rows(executor._output, batch).data_ptr()
     kinds = [entry[0] for entry in kernels.log]
-    # embedding, first norm; 4 layers' GEMMs; 3 KDA steps; kv_a norm; 3 MoE.
+    # embedding, first norm; 3 KDA layers' in_proj + o_proj, layer 0's MLP, the MLA
+    # layer's qkv_a + o_proj; 3 KDA steps; kv_a norm; 3 MoE.
     assert kinds.count("embedding") == 1 and kinds.count("kda") == 3
     assert kinds.count("moe") == 3 and kinds.count("rms_norm") == 2
-    assert kinds.count("gemm") == 3 * 4 + 2 + 2
+    assert kinds.count("gemm") == 3 * 2 + 2 + 2
     # Each group's slots are gathered once into a static row the group's layers share.
     kda_slots = [entry[2][6] for entry in kernels.log if entry[0] == "kda"]
     for i, slots in enumerate(kda_slots):

@@ -12,12 +12,11 @@ it returns None wherever the stock forward must run instead.
 
 Per layer (B rows, one decode token each; seams fused into the epilogues):
 
-* KDA: ``fa_ga`` (f_a|g_a) and ``in_proj`` (q|k|v|b, one GEMM) read the normed
-  input; ``fgb`` (block-diagonal f_b/g_b) turns f_a|g_a into g1|g2 (both run
-  before the large in_proj, which streams its weights meanwhile); the fused
-  KDA step (conv, gate, delta rule, gated RMSNorm) updates the layer's conv and
-  recurrent state in place; ``o_proj`` adds the residual and applies the
-  post-attention RMSNorm.
+* KDA: ``in_proj`` (q|k|v|b|f_a|g_a, one GEMM) reads the normed input; the
+  fused KDA step applies f_b / g_b to f_a(x) / g_a(x) itself (the gates' low
+  rank), then conv, gate, delta rule and gated RMSNorm, updating the layer's
+  conv and recurrent state in place; ``o_proj`` adds the residual and applies
+  the post-attention RMSNorm.
 * MLA: ``qkv_a`` (q_proj|kv_a_proj_with_mqa, one GEMM); kv_a_layernorm; the
   latent cache row write, the W_UK_T absorption, vLLM's own FlashAttention-3
   MLA decode (``impl.forward_mqa``) and the W_UV up-projection, as vLLM 0.26.0
@@ -61,6 +60,8 @@ CONV_LAYOUT_SD = "SD"
 CONV_LAYOUT_DS = "DS"
 
 KernelLaunch = Callable[["StepContext"], None]
+# The KDA projections of the normed input, in the row order of the fused in_proj.
+KDA_IN_PROJ_PARTS = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")
 
 
 # --------------------------------------------------------------------- kernels
@@ -93,6 +94,7 @@ class KernelFactory:
         num_heads: int,
         norm_eps: float,
         conv_layout: str,
+        gate_weights: tuple[torch.Tensor, torch.Tensor],
     ) -> Any:
         from ..cutedsl.kda.prepared import PreparedKda
 
@@ -110,6 +112,7 @@ class KernelFactory:
             # written by its own step alone and the slot rows are gathered at
             # the graph's start: the state loads may overlap the projections.
             state_loads_before_wait=True,
+            gate_weights=gate_weights,
         )
 
     def moe(self, **kwargs: Any) -> Any:
@@ -174,14 +177,6 @@ def fuse_rows(params: Sequence[nn.Parameter], share_storage: bool) -> RowFusion:
     return RowFusion(fused, tuple(offsets), share_storage)
 
 
-def block_diagonal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[[a, 0], [0, b]]: f_b and g_b as one GEMM over the contiguous f_a|g_a."""
-    out = a.new_zeros(a.shape[0] + b.shape[0], a.shape[1] + b.shape[1])
-    out[: a.shape[0], : a.shape[1]] = a
-    out[a.shape[0] :, a.shape[1] :] = b
-    return out
-
-
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -219,11 +214,10 @@ class KdaLayer:
     """KimiGatedDeltaNetAttention: holds kv_cache (conv, recurrent) and prefix."""
     name: str
     in_proj: RowFusion
-    """q | k | v | b rows."""
-    fa_ga: RowFusion
-    """f_a | g_a rows."""
-    fgb: torch.Tensor
-    """block_diagonal(f_b, g_b): [2*H*D, 2*D]."""
+    """q | k | v | b | f_a | g_a rows."""
+    f_b: torch.Tensor
+    """[H*D, rank]: applied to f_a(x) inside the KDA step."""
+    g_b: torch.Tensor
     o_proj: torch.Tensor
     conv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     a_log: torch.Tensor
@@ -346,27 +340,17 @@ def _read_kda(
     w = lambda name: _require(attn, f"{name}.weight", f"{where}.self_attn").data  # noqa: E731
     params = [
         _require(attn, f"{name}.weight", f"{where}.self_attn")
-        for name in ("q_proj", "k_proj", "v_proj", "b_proj")
+        for name in KDA_IN_PROJ_PARTS
     ]
     in_proj = fuse_rows(params, share_storage)
-    fa_ga = fuse_rows(
-        [
-            _require(attn, f"{name}.weight", f"{where}.self_attn")
-            for name in ("f_a_proj", "g_a_proj")
-        ],
-        share_storage,
-    )
-    fgb = block_diagonal(w("f_b_proj"), w("g_b_proj"))
-    extra = nbytes(fgb)
-    if not share_storage:
-        extra += nbytes(in_proj.weight) + nbytes(fa_ga.weight)
+    extra = 0 if share_storage else nbytes(in_proj.weight)
     layer = KdaLayer(
         index=index,
         module=attn,
         name=_require(attn, "prefix", f"{where}.self_attn"),
         in_proj=in_proj,
-        fa_ga=fa_ga,
-        fgb=fgb,
+        f_b=w("f_b_proj"),
+        g_b=w("g_b_proj"),
         o_proj=w("o_proj"),
         conv_weights=(w("q_conv1d"), w("k_conv1d"), w("v_conv1d")),
         a_log=_require(attn, "A_log", where).data,
@@ -718,24 +702,14 @@ class KimiLinearDecodeExecutor:
         assert isinstance(kda, KdaLayer)
         i, bufs, proj = layer.index, self.buffers, kda.num_heads * kda.head_dim
         bufs.add("attn_out", proj)
-        # The small gate projections first: the large in_proj launched after them
-        # streams its weights while they finish (programmatic dependent launch),
-        # instead of fa_ga -> fgb waiting for in_proj with nothing to overlap.
-        self._plan_gemm(
-            i, "kda_fa_ga", kda.fa_ga.weight, x, self.hidden, "kda_fa_ga",
-            kda.fa_ga.weight.shape[0],
-        )  # fmt: skip
-        self._plan_gemm(
-            i, "kda_fgb", kda.fgb, "kda_fa_ga", kda.fgb.shape[1], "kda_g12",
-            kda.fgb.shape[0],
-        )  # fmt: skip
+        # One GEMM for every projection of x; the KDA step applies f_b / g_b to
+        # the f_a / g_a columns, so nothing runs between the two.
         self._plan_gemm(
             i, "kda_in_proj", kda.in_proj.weight, x, self.hidden, "kda_proj",
             kda.in_proj.weight.shape[0],
         )  # fmt: skip
-        q0, k0, v0, b0 = kda.in_proj.offsets
+        q0, k0, v0, b0, fa0, ga0 = kda.in_proj.offsets
         width = kda.in_proj.weight.shape[0]
-        g_width = kda.fgb.shape[0]
 
         def launch(ctx: StepContext) -> None:
             b = ctx.batch
@@ -746,16 +720,13 @@ class KimiLinearDecodeExecutor:
                     "KimiLinearForCausalLM.bind_kv_caches after allocating them"
                 )
             p = bufs.rows("kda_proj", b, width)
-            g = bufs.rows("kda_g12", b, g_width)
             kernel.run(
-                p[:, q0:k0], p[:, k0:v0], p[:, v0:b0], g[:, :proj],
-                p[:, b0 : b0 + kda.num_heads], g[:, proj:],
+                p[:, q0:k0], p[:, k0:v0], p[:, v0:b0], p[:, fa0:ga0],
+                p[:, b0:fa0], p[:, ga0:width],
                 self._kda_slots(ctx, kda), bufs.rows("attn_out", b, proj),
             )  # fmt: skip
 
-        self._step(
-            i, "kda_step", ("kda_proj", "kda_g12", "kda_slots"), ("attn_out",), launch
-        )
+        self._step(i, "kda_step", ("kda_proj", "kda_slots"), ("attn_out",), launch)
 
     def _gather_kda_slots(self, ctx: StepContext) -> None:
         """Copy each KDA group's state slots (block-table column 0: with
@@ -957,6 +928,7 @@ class KimiLinearDecodeExecutor:
                 num_heads=kda.num_heads,
                 norm_eps=kda.o_norm.eps,
                 conv_layout=layout,
+                gate_weights=(kda.f_b, kda.g_b),
             )
         for mla in self._mla_layers():
             _check_mla_cache(mla)
