@@ -18,7 +18,16 @@ The main loop (``common.skinny_mma``) streams W once with 16-byte loads into
 
 Counters and sums of squares are reset by the CTA that consumed them, so a
 captured CUDA graph can be replayed without any host work.
+
+Grouped variant (``RowGroups``, plain epilogue): G independent products
+``y[:, g*R:(g+1)*R] = x_g @ W_g^T`` in one launch, each group with its own
+activation slice ``x_g = x[:, g, :]`` and its own R weight rows, both given
+by strides (MLA's per-head absorptions: W_UV read in place from
+``kv_b_proj.weight``, x rows of the attention output).  A 16-row tile belongs
+to one group (R % 16 == 0), so only the tile's row and activation bases change.
 """
+
+from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -49,6 +58,23 @@ EPILOGUE_RESIDUAL_RMSNORM = "residual_rmsnorm"
 EPILOGUES = (EPILOGUE_PLAIN, EPILOGUE_SILU_MUL, EPILOGUE_RESIDUAL_RMSNORM)
 
 
+@dataclass(frozen=True)
+class RowGroups:
+    """G products of R rows each (strides in elements).
+
+    Group g reads weight rows ``g * w_group_rows + r`` (r < R) of the
+    ``[*, K]`` weight (row pitch K) and the activations
+    ``x[t * x_row_stride + g * x_group_stride + k]``; it writes output
+    columns ``g * R + r`` of the contiguous ``[M, G * R]`` output.
+    """
+
+    groups: int
+    rows: int
+    w_group_rows: int
+    x_row_stride: int
+    x_group_stride: int
+
+
 class SkinnyGemmKernel:
     """Compile-time configuration of one skinny-GEMM variant.
 
@@ -71,6 +97,7 @@ class SkinnyGemmKernel:
         eps: float = 1e-5,
         out_cols: int | None = None,
         use_pdl: bool = True,
+        row_groups: RowGroups | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -111,6 +138,26 @@ class SkinnyGemmKernel:
         # Programmatic dependent launch: start streaming weights while the
         # previous kernel in the stream finishes (SM90 griddepcontrol).
         self.use_pdl = use_pdl
+        self.row_groups = row_groups
+        if row_groups is not None:
+            g = row_groups
+            if epilogue != EPILOGUE_PLAIN:
+                raise ValueError("row groups support the plain epilogue only")
+            if g.rows % ROWS_PER_TILE or n != g.groups * g.rows:
+                raise ValueError(
+                    f"row groups need R % {ROWS_PER_TILE} == 0 and N = G * R, got "
+                    f"G={g.groups}, R={g.rows}, N={n}"
+                )
+            if g.w_group_rows < g.rows:
+                raise ValueError(
+                    f"groups' weight rows overlap: w_group_rows={g.w_group_rows} < "
+                    f"R={g.rows}"
+                )
+            if g.x_row_stride % CHUNK or g.x_group_stride % CHUNK:
+                raise ValueError(
+                    f"x strides must be multiples of {CHUNK} elements (16-byte "
+                    f"loads), got {g.x_row_stride}, {g.x_group_stride}"
+                )
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -178,15 +225,38 @@ class SkinnyGemmKernel:
         quad_lane = lane % LANES_PER_QUAD  # MMA threadID_in_group: K chunk / token pair
 
         # Chunked views: (rows, K/8, 8) so one [r, c, None] slice is a 16-byte load.
+        w_rows = n
+        w_row_base = tile * ROWS_PER_TILE
+        groups = self.row_groups
+        if const_expr(groups is not None):
+            tiles_per_group = groups.rows // ROWS_PER_TILE
+            group = tile // tiles_per_group
+            w_rows = groups.groups * groups.w_group_rows
+            w_row_base = (
+                group * groups.w_group_rows + (tile % tiles_per_group) * ROWS_PER_TILE
+            )
         w_chunks = cute.make_tensor(
-            w_ptr, cute.make_layout((n, k_chunks, CHUNK), stride=(self.k, CHUNK, 1))
+            w_ptr,
+            cute.make_layout((w_rows, k_chunks, CHUNK), stride=(self.k, CHUNK, 1)),
         )
-        x_chunks = cute.make_tensor(
-            x_ptr,
-            cute.make_layout((MAX_TOKENS, k_chunks, CHUNK), stride=(self.k, CHUNK, 1)),
-        )
+        if const_expr(groups is None):
+            x_chunks = cute.make_tensor(
+                x_ptr,
+                cute.make_layout(
+                    (MAX_TOKENS, k_chunks, CHUNK), stride=(self.k, CHUNK, 1)
+                ),
+            )
+        else:
+            x_groups = cute.make_tensor(
+                x_ptr,
+                cute.make_layout(
+                    (MAX_TOKENS, groups.groups, k_chunks, CHUNK),
+                    stride=(groups.x_row_stride, groups.x_group_stride, CHUNK, 1),
+                ),
+            )
+            x_chunks = x_groups[None, group, None, None]
 
-        row_lo = tile * ROWS_PER_TILE + quad_row
+        row_lo = w_row_base + quad_row
         row_hi = row_lo + TOKENS_PER_MMA
         if const_expr(self.n_ragged):
             # Rows past N are computed from a duplicate row and never stored.

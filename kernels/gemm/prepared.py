@@ -34,6 +34,7 @@ from .kernel import (
     ROWS_PER_TILE,
     TOKENS_PER_MMA,
     WARP_THREADS,
+    RowGroups,
     SkinnyGemmKernel,
 )
 
@@ -326,5 +327,150 @@ class PreparedGemm:
         fn(
             _ptr(x, cutlass.BFloat16), w, _ptr(out, cutlass.BFloat16),
             res_ptr, res_out_ptr, g, p, cnt, sq, m, stream,
+        )  # fmt: skip
+        return out
+
+
+class PreparedGroupedGemm:
+    """G per-group products in one launch, for M <= 16 on SM90:
+    ``out[:, g, :] = x[:, g, :] @ weight[g].T`` (plain epilogue).
+
+    weight: bf16 ``[G, R, K]`` with rows of K contiguous elements (``stride(1)
+      == K``, ``stride(2) == 1``) and any group stride that is a whole number
+      of rows, so a strided view into a larger matrix is read in place (MLA's
+      ``W_UV`` is such a view of ``kv_b_proj.weight``).  R % 16 == 0.
+    run(x, out): x bf16 ``[M, G, K]`` with the last dim contiguous and 16-byte
+      aligned rows/groups (strided views are fine; one kernel is compiled per
+      stride pair); out bf16 ``[M, G * R]`` contiguous.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        config: dict[int, GemmConfig] | None = None,
+        use_pdl: bool = True,
+    ):
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+            raise ValueError("weight must be a 3-D [G, R, K] torch.Tensor")
+        if not weight.is_cuda:
+            raise ValueError(f"weight must be on a CUDA device, got {weight.device}")
+        if weight.dtype != torch.bfloat16:
+            raise TypeError(f"weight must be bfloat16, got {weight.dtype}")
+        groups, rows, k = weight.shape
+        g_stride, r_stride, k_stride = weight.stride()
+        if k_stride != 1 or (rows > 1 and r_stride != k) or g_stride % k:
+            raise ValueError(
+                f"weight [G, R, K] must have contiguous rows of K={k} and a group "
+                f"stride of whole rows, got strides {weight.stride()}"
+            )
+        if g_stride < rows * k and groups > 1:
+            raise ValueError(f"weight groups overlap (strides {weight.stride()})")
+        if k % CHUNK:
+            raise ValueError(f"K={k} must be a multiple of {CHUNK} (16-byte rows)")
+        if rows % ROWS_PER_TILE:
+            raise ValueError(f"R={rows} must be a multiple of {ROWS_PER_TILE}")
+        if weight.data_ptr() % 16:
+            raise ValueError("weight must be 16-byte aligned")
+        self.weight, self.device, self.use_pdl = weight, weight.device, use_pdl
+        self.groups, self.rows, self.k = groups, rows, k
+        self.w_group_rows = g_stride // k if groups > 1 else rows
+        self.out_features = groups * rows
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.configs = {
+            b: (config or {}).get(b) or choose_config(self.out_features, k, b, num_sms)
+            for b in (TOKENS_PER_MMA, MAX_TOKENS)
+        }
+        tiles = self.out_features // ROWS_PER_TILE
+        max_split = max(c.split_k for c in self.configs.values())
+        partial_elems = tiles * max_split * WARP_THREADS * 8 if max_split > 1 else 4
+        self.partials = torch.empty(
+            partial_elems, dtype=torch.float32, device=self.device
+        )
+        self.counters = torch.zeros(tiles + 1, dtype=torch.int32, device=self.device)
+        self.workspace_bytes = 4 * (partial_elems + tiles + 1)
+        self.extra_bytes = 0
+        self._static_ptrs = (
+            _ptr(self.weight, cutlass.BFloat16),
+            _ptr(self.partials, cutlass.Float32),
+            _ptr(self.counters, cutlass.Int32),
+        )
+        self._fns: dict[tuple, object] = {}
+
+    def _key(self, bucket: int, x_strides: tuple[int, int]) -> tuple:
+        return (
+            "grouped", self.groups, self.rows, self.k, self.w_group_rows, x_strides,
+            bucket, self.configs[bucket], self.use_pdl,
+        )  # fmt: skip
+
+    def compile(
+        self, x_strides: tuple[int, int], buckets=(TOKENS_PER_MMA, MAX_TOKENS)
+    ) -> dict[int, float]:
+        """Compile (or fetch) the variants for x's (row, group) strides; returns
+        seconds per bucket."""
+        seconds = {}
+        for bucket in buckets:
+            key = self._key(bucket, x_strides)
+            if key not in _COMPILED:
+                c = self.configs[bucket]
+                groups = RowGroups(
+                    self.groups, self.rows, self.w_group_rows, *x_strides
+                )
+                kern = SkinnyGemmKernel(
+                    self.out_features, self.k, bucket, EPILOGUE_PLAIN,
+                    c.warps_k, c.split_k, c.unroll, use_pdl=self.use_pdl,
+                    row_groups=groups,
+                )  # fmt: skip
+                w, p, cnt = self._static_ptrs
+                start = time.perf_counter()
+                _COMPILED[key] = cute.compile(
+                    kern, w, w, w, w, w, w, p, cnt, p, cutlass.Int32(1),
+                    cuda.CUstream(0),
+                )  # fmt: skip
+                COMPILE_SECONDS[key] = time.perf_counter() - start
+            self._fns[(bucket, x_strides)] = _COMPILED[key]
+            seconds[bucket] = COMPILE_SECONDS[key]
+        return seconds
+
+    def run(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Launch on the current stream; returns ``out``.  Raises before launch
+        on a wrong dtype, shape, device, layout or alignment."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError("x must be a 3-D [M, G, K] torch.Tensor")
+        m = x.shape[0]
+        if not 1 <= m <= MAX_TOKENS:
+            raise ValueError(f"M={m} is outside 1..{MAX_TOKENS} (skinny decode GEMM)")
+        if tuple(x.shape[1:]) != (self.groups, self.k):
+            raise ValueError(
+                f"x must be [M, {self.groups}, {self.k}], got {tuple(x.shape)}"
+            )
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"x must be bfloat16, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"x is on {x.device}, the weight on {self.device}")
+        row_stride, group_stride, k_stride = x.stride()
+        if m == 1:
+            row_stride = self.groups * group_stride  # never used for one row
+        if (
+            k_stride != 1
+            or row_stride % CHUNK
+            or group_stride % CHUNK
+            or x.data_ptr() % 16
+        ):
+            raise ValueError(
+                "x needs a contiguous last dim and 16-byte aligned rows and groups "
+                f"(strides {x.stride()}, address {x.data_ptr():#x})"
+            )
+        _check_tensor("out", out, (m, self.out_features), self.device)
+        bucket = m_bucket_for(m)
+        strides = (row_stride, group_stride)
+        fn = self._fns.get((bucket, strides))
+        if fn is None:
+            self.compile(strides, (bucket,))
+            fn = self._fns[(bucket, strides)]
+        w, p, cnt = self._static_ptrs
+        stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        fn(
+            _ptr(x, cutlass.BFloat16), w, _ptr(out, cutlass.BFloat16),
+            w, w, w, p, cnt, p, m, stream,
         )  # fmt: skip
         return out

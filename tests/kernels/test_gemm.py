@@ -31,6 +31,7 @@ if torch.cuda.get_device_capability() != (9, 0):
 
 from kernels.gemm.prepared import (  # noqa: E402
     PreparedGemm,
+    PreparedGroupedGemm,
     choose_config,
     pack_gate_up,
 )
@@ -328,3 +329,114 @@ def test_bad_weight_and_epilogue_arguments():
     out = torch.empty(2, w.shape[0], device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs residual and residual_out"):
         prepared.run(x, out)
+
+
+# ----------------------------------------------------------------- row groups
+# MLA's per-head absorptions of Kimi-Linear (32 heads, P = 128, V = 128, L = 512).
+HEADS, NOPE, ROPE, V_HEAD, LORA = 32, 128, 64, 128, 512
+Q_ROW = HEADS * (NOPE + ROPE) + LORA + ROPE  # the fused q_proj | kv_a_proj row
+
+
+def _grouped_case(name, gen):
+    """(weight [G, R, K], x maker) as the executor passes them."""
+    if name == "w_uv":
+        # W_UV^T rows in place: rows h*(P+V)+P .. of kv_b_proj.weight [N*(P+V), L].
+        kv_b = (torch.randn(HEADS * (NOPE + V_HEAD), LORA, device="cuda", generator=gen)
+                / LORA**0.5).to(torch.bfloat16)  # fmt: skip
+        weight = kv_b.view(HEADS, NOPE + V_HEAD, LORA)[:, NOPE:, :]
+
+        def x_of(m):  # the attention output [M, N, L]
+            return torch.randn(m, HEADS, LORA, device="cuda", generator=gen).to(torch.bfloat16)
+
+    else:
+        # W_UK as [N, L, P] (copied once); x = q_nope, strided inside the q rows.
+        weight = (torch.randn(HEADS, LORA, NOPE, device="cuda", generator=gen)
+                  / NOPE**0.5).to(torch.bfloat16)  # fmt: skip
+
+        def x_of(m):
+            rows = torch.randn(m, Q_ROW, device="cuda", generator=gen).to(torch.bfloat16)
+            return rows[:, : HEADS * (NOPE + ROPE)].view(m, HEADS, NOPE + ROPE)[..., :NOPE]
+
+    return weight, x_of
+
+
+def _grouped_reference(x, weight):
+    return torch.einsum("mgk,grk->mgr", x.float(), weight.float()).reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("name", ["w_uv", "w_uk"])
+def test_row_groups_match_fp32_reference_all_m(name):
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(name.encode()))
+    weight, x_of = _grouped_case(name, gen)
+    prepared = PreparedGroupedGemm(weight)
+    groups, rows, _ = weight.shape
+    for m in range(1, 17):
+        x = x_of(m)
+        out = torch.full((m, groups * rows), float("nan"), device="cuda", dtype=torch.bfloat16)
+        prepared.run(x, out)
+        torch.cuda.synchronize()
+        _close(out, _grouped_reference(x, weight), f"{name} M={m}")
+
+
+def test_row_groups_graph_replay_and_split_k_are_bit_identical():
+    """100 replays of a captured launch equal the eager result bit for bit, and a
+    grid split-K configuration gives the same values (fixed summation order)."""
+    from kernels.gemm.prepared import GemmConfig
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weight, x_of = _grouped_case("w_uv", gen)
+    x = x_of(5)
+    eager = torch.empty(5, HEADS * V_HEAD, device="cuda", dtype=torch.bfloat16)
+    prepared = PreparedGroupedGemm(weight)
+    prepared.run(x, eager)
+    split = PreparedGroupedGemm(weight, config={8: GemmConfig(2, 2, 8), 16: GemmConfig(2, 2, 6)})
+    split_out = torch.empty_like(eager)
+    split.run(x, split_out)
+    torch.cuda.synchronize()
+    _close(split_out, _grouped_reference(x, weight), "split-K")
+    out = torch.full_like(eager, float("nan"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        prepared.run(x, out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        prepared.run(x, out)
+    out.fill_(float("nan"))
+    for _ in range(100):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+
+
+def test_row_groups_bad_input_raises_before_launch():
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    weight, x_of = _grouped_case("w_uk", gen)
+    prepared = PreparedGroupedGemm(weight)
+    x = x_of(2)
+    out = torch.full((2, HEADS * LORA), float("nan"), device="cuda", dtype=torch.bfloat16)
+    odd = torch.zeros(2, HEADS * 100 + 4, device="cuda", dtype=torch.bfloat16)
+    cases = [
+        (x.reshape(2, -1), ValueError, "3-D"),
+        (x[:, :16], ValueError, "must be \\[M, 32, 128\\]"),
+        (x.float(), TypeError, "bfloat16"),
+        # Groups 100 elements apart at a 4-byte offset: not 16-byte loads.
+        (odd[:, 2:].as_strided((2, HEADS, NOPE), (HEADS * 100 + 4, 100, 1)), ValueError,
+         "16-byte aligned"),
+    ]  # fmt: skip
+    for bad, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            prepared.run(bad, out)
+    with pytest.raises(ValueError, match="out must have shape"):
+        prepared.run(x, out[:, :-8])
+    with pytest.raises(ValueError, match="M=17"):
+        prepared.run(x_of(17), out)
+    torch.cuda.synchronize()
+    assert out.isnan().all(), "output touched although the input was refused"
+    with pytest.raises(ValueError, match="contiguous rows"):
+        PreparedGroupedGemm(weight.transpose(1, 2))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PreparedGroupedGemm(weight[:, :40])
+    with pytest.raises(TypeError, match="bfloat16"):
+        PreparedGroupedGemm(weight.float())

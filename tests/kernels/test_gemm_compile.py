@@ -19,7 +19,7 @@ import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 
-from kernels.gemm.kernel import SkinnyGemmKernel  # noqa: E402
+from kernels.gemm.kernel import RowGroups, SkinnyGemmKernel  # noqa: E402
 
 
 def _ptr(dtype):
@@ -48,6 +48,54 @@ def test_compiles_for_sm90a(variant):
         cutlass.Int32(1), cuda.CUstream(0),
     )  # fmt: skip
     assert compiled is not None
+
+
+def _compile(kern):
+    bf16 = _ptr(cutlass.BFloat16)
+    return cute.compile(
+        kern, bf16, bf16, bf16, bf16, bf16, bf16,
+        _ptr(cutlass.Float32), _ptr(cutlass.Int32), _ptr(cutlass.Float32),
+        cutlass.Int32(1), cuda.CUstream(0),
+    )  # fmt: skip
+
+
+# MLA's absorptions as row groups (32 heads): W_UV (R = V = 128 rows of each
+# head's 256-row block of kv_b_proj, K = L = 512, x = attention output rows) and
+# W_UK (R = L = 512, K = P = 128, x = the q_nope slices of the q_proj rows).
+GROUPED = {
+    "w_uv": (RowGroups(32, 128, 256, 32 * 512, 512), 512, 4, 1),
+    "w_uk": (RowGroups(32, 512, 512, 6720, 192), 128, 2, 1),
+    "w_uv_split_k": (RowGroups(32, 128, 256, 32 * 512, 512), 512, 2, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(GROUPED))
+@pytest.mark.parametrize("bucket", [8, 16])
+def test_row_groups_compile_for_sm90a(name, bucket):
+    groups, k, warps_k, split_k = GROUPED[name]
+    n = groups.groups * groups.rows
+    kern = SkinnyGemmKernel(n, k, bucket, "plain", warps_k, split_k, 6, row_groups=groups)
+    assert _compile(kern) is not None
+
+
+def test_row_groups_reject_bad_configs():
+    with pytest.raises(ValueError, match="plain epilogue only"):
+        SkinnyGemmKernel(
+            4096, 512, 8, "residual_rmsnorm", 4, 1, 8,
+            row_groups=RowGroups(32, 128, 256, 16384, 512),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="R % 16"):
+        SkinnyGemmKernel(
+            32 * 120, 512, 8, "plain", 4, 1, 8, row_groups=RowGroups(32, 120, 256, 16384, 512)
+        )
+    with pytest.raises(ValueError, match="overlap"):
+        SkinnyGemmKernel(
+            4096, 512, 8, "plain", 4, 1, 8, row_groups=RowGroups(32, 128, 64, 16384, 512)
+        )
+    with pytest.raises(ValueError, match="multiples of 8"):
+        SkinnyGemmKernel(
+            4096, 512, 8, "plain", 4, 1, 8, row_groups=RowGroups(32, 128, 256, 16384, 500)
+        )
 
 
 def test_rejects_configs_that_leave_warps_idle():

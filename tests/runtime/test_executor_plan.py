@@ -124,8 +124,13 @@ def mla_attention(prefix: str) -> nn.Module:
     self_attn.o_proj = linear(HIDDEN, HEADS * V_HEAD)
     mla = nn.Module()
     mla.layer_name = f"{prefix}.attn"
-    mla.W_UK_T = torch.randn(HEADS, NOPE, LORA)
-    mla.W_UV = torch.randn(HEADS, LORA, V_HEAD)
+    # As vLLM 0.26.0's process_weights_after_loading derives them from kv_b_proj.
+    kv_b = torch.randn(HEADS * (NOPE + V_HEAD), LORA)
+    self_attn.kv_b_proj = nn.Module()
+    self_attn.kv_b_proj.weight = nn.Parameter(kv_b, False)
+    w_uk, w_uv = kv_b.T.view(LORA, HEADS, NOPE + V_HEAD).split([NOPE, V_HEAD], dim=-1)
+    mla.W_UK_T = w_uk.permute(1, 2, 0)
+    mla.W_UV = w_uv.transpose(0, 1)
     mla.impl = FakeMlaImpl()
     mla.kv_cache = torch.tensor([])
     mla.kv_cache_dtype = "auto"
@@ -219,6 +224,14 @@ class FakeKda(Recorder):
         super().run(q, k, v, g1, beta, g2, slots, out)
 
 
+class FakeGroupedGemm(Recorder):
+    def run(self, x, out):
+        groups, rows, k = self.bound["weight"].shape
+        assert x.dim() == 3 and x.shape[1:] == (groups, k) and x.stride(2) == 1
+        assert out.shape == (x.shape[0], groups * rows) and out.is_contiguous()
+        super().run(x, out)
+
+
 class FakeMoe(Recorder):
     def run(self, x, out, residual=None, residual_out=None):
         assert x.shape == out.shape == residual.shape == residual_out.shape
@@ -235,6 +248,11 @@ class FakeKernels(decode.KernelFactory):
         kernel = FakeGemm(
             self.log, "gemm", weight=weight, epilogue=epilogue, norm=rmsnorm_weight, eps=eps
         )
+        self.built.append(kernel)
+        return kernel
+
+    def grouped_gemm(self, weight):
+        kernel = FakeGroupedGemm(self.log, "grouped_gemm", weight=weight)
         self.built.append(kernel)
         return kernel
 
@@ -411,6 +429,30 @@ def test_kda_step_gets_f_b_g_b_in_place_and_the_f_a_g_a_columns():
         assert view.data_ptr() == proj.data_ptr() + column * row
 
 
+def test_mla_absorptions_read_w_uv_in_place_and_w_uk_as_rows_of_p():
+    model, executor, _ = build()
+    self_attn = model.model.layers[3].self_attn
+    mla = executor.layers[3].attn
+    kv_b = self_attn.kv_b_proj.weight
+    # W_UV^T of head h: kv_b_proj rows h*(P+V)+P .. +V-1, no copy.
+    assert mla.w_uv.shape == (HEADS, V_HEAD, LORA)
+    assert mla.w_uv.data_ptr() == kv_b.data_ptr() + NOPE * LORA * kv_b.element_size()
+    assert torch.equal(mla.w_uv[1], kv_b[(NOPE + V_HEAD) + NOPE : 2 * (NOPE + V_HEAD)])
+    # W_UK: a [N, L, P] copy, P contiguous, equal to W_UK_T transposed.
+    assert mla.w_uk.shape == (HEADS, LORA, NOPE) and mla.w_uk.is_contiguous()
+    assert torch.equal(mla.w_uk, self_attn.mla_attn.mla_attn.W_UK_T.transpose(1, 2))
+
+
+def test_grouped_rows_copies_only_what_the_kernel_cannot_read():
+    base = torch.randn(4 * 24, 16)
+    view = base.view(4, 24, 16)[:, 8:, :]  # 16 of each group's 24 rows
+    same, extra = decode.grouped_rows(view)
+    assert same is view and extra == 0
+    copy, extra = decode.grouped_rows(view.transpose(1, 2))
+    assert copy.is_contiguous() and torch.equal(copy, view.transpose(1, 2))
+    assert extra == copy.numel() * copy.element_size()
+
+
 def test_bind_reads_every_kda_state_and_an_empty_cache_unbinds():
     model, executor, kernels = build()
     assert not executor.bind_kv_caches()
@@ -525,6 +567,9 @@ def test_run_launches_the_plan_on_static_buffers(batch):
     assert kda_slots[0] is kda_slots[1] and kda_slots[1] is not kda_slots[2]
     impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
     assert [c[0] for c in impl.calls] == ["cache_update", "forward_mqa"]
+    # The MLA layer: qkv_a, kv_a norm, W_UK and W_UV absorptions, o_proj, MoE.
+    mla_kinds = kinds[kinds.index("grouped_gemm") - 2 : kinds.index("grouped_gemm") + 4]
+    assert mla_kinds == ["gemm", "rms_norm", "grouped_gemm", "grouped_gemm", "gemm", "moe"]
     assert impl.calls[0][2] is fc.slot_mapping["model.layers.3.self_attn.attn"]
 
 

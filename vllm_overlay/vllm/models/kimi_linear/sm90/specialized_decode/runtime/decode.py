@@ -18,9 +18,11 @@ Per layer (B rows, one decode token each; seams fused into the epilogues):
   conv and recurrent state in place; ``o_proj`` adds the residual and applies
   the post-attention RMSNorm.
 * MLA: ``qkv_a`` (q_proj|kv_a_proj_with_mqa, one GEMM); kv_a_layernorm; the
-  latent cache row write, the W_UK_T absorption, vLLM's own FlashAttention-3
-  MLA decode (``impl.forward_mqa``) and the W_UV up-projection, as vLLM 0.26.0
-  runs them; ``o_proj`` with the residual + RMSNorm epilogue.
+  latent cache row write and vLLM's own FlashAttention-3 MLA decode
+  (``impl.forward_mqa``) as vLLM 0.26.0 runs them, between the two per-head
+  absorptions (W_UK into the query, W_UV out of the latent), each one grouped
+  skinny GEMM over the 32 heads (W_UV read in place, W_UK from a [N, L, P]
+  copy); ``o_proj`` with the residual + RMSNorm epilogue.
 * FFN: layer 0 dense MLP (``gate_up`` SiLU-and-mul, ``down`` with the residual +
   next-input-RMSNorm epilogue); MoE layers one ``PreparedMoe`` whose epilogue
   adds the residual and applies the next layer's input RMSNorm (the final norm
@@ -82,6 +84,11 @@ class KernelFactory:
         from ..cutedsl.gemm.prepared import PreparedGemm
 
         return PreparedGemm(weight, epilogue, rmsnorm_weight=rmsnorm_weight, eps=eps)
+
+    def grouped_gemm(self, weight: torch.Tensor) -> Any:
+        from ..cutedsl.gemm.prepared import PreparedGroupedGemm
+
+        return PreparedGroupedGemm(weight)
 
     def kda(
         self,
@@ -177,6 +184,20 @@ def fuse_rows(params: Sequence[nn.Parameter], share_storage: bool) -> RowFusion:
     return RowFusion(fused, tuple(offsets), share_storage)
 
 
+def grouped_rows(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``weight`` [G, R, K] as the grouped GEMM reads it (rows of K contiguous
+    elements, groups a whole number of rows apart): itself when it already is,
+    else a contiguous copy; and the bytes the copy adds."""
+    groups, rows, k = weight.shape
+    g_stride, r_stride, k_stride = weight.stride()
+    rows_of_k = k_stride == 1 and (rows == 1 or r_stride == k)
+    whole_rows_apart = g_stride % k == 0 and (groups == 1 or g_stride >= rows * k)
+    if rows_of_k and whole_rows_apart:
+        return weight, 0
+    copy = weight.contiguous()
+    return copy, nbytes(copy)
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -236,6 +257,10 @@ class MlaLayer:
     qkv_a: RowFusion
     """q_proj | kv_a_proj_with_mqa rows."""
     kv_a_norm: Norm
+    w_uk: torch.Tensor
+    """[N, L, P]: W_UK per head with P contiguous (the W_UK_T absorption as rows)."""
+    w_uv: torch.Tensor
+    """[N, V, L]: W_UV^T per head, L contiguous (a view of kv_b_proj.weight)."""
     o_proj: torch.Tensor
     num_heads: int
     qk_nope: int
@@ -381,6 +406,11 @@ def _read_mla(
         ],
         share_storage,
     )
+    # The absorptions as [G, R, K] weights of the grouped GEMM: W_UV^T rows are
+    # kv_b_proj.weight rows (read in place when vLLM kept the view); W_UK^T has
+    # P strided, so W_UK is copied once with P contiguous.
+    w_uk, uk_extra = grouped_rows(mla.W_UK_T.detach().transpose(1, 2))
+    w_uv, uv_extra = grouped_rows(mla.W_UV.detach().transpose(1, 2))
     layer = MlaLayer(
         index=index,
         attn=mla,
@@ -389,6 +419,8 @@ def _read_mla(
         kv_a_norm=Norm.of(
             _require(self_attn, "kv_a_layernorm", where), f"{where}.kv_a_layernorm"
         ),
+        w_uk=w_uk,
+        w_uv=w_uv,
         o_proj=_require(self_attn, "o_proj.weight", where).data,
         num_heads=int(_require(self_attn, "num_local_heads", where)),
         qk_nope=int(_require(self_attn, "qk_nope_head_dim", where)),
@@ -396,7 +428,8 @@ def _read_mla(
         kv_lora=int(_require(self_attn, "kv_lora_rank", where)),
         v_head=int(_require(self_attn, "v_head_dim", where)),
     )
-    return layer, 0 if share_storage else nbytes(qkv_a.weight)
+    extra = uk_extra + uv_extra
+    return layer, extra if share_storage else extra + nbytes(qkv_a.weight)
 
 
 # Unquantized MoE backends that keep vLLM's [E, 2I, H] (w1 rows, then w3 rows)
@@ -772,6 +805,8 @@ class KimiLinearDecodeExecutor:
             i, "mla_qkv_a", mla.qkv_a.weight, x, self.hidden, "mla_proj", width
         )
         kernels, attn, norm = self.kernels, mla.attn, mla.kv_a_norm
+        w_uk = self._kernel(i, "mla_w_uk", lambda: kernels.grouped_gemm(mla.w_uk))
+        w_uv = self._kernel(i, "mla_w_uv", lambda: kernels.grouped_gemm(mla.w_uv))
 
         def kv_norm_launch(ctx: StepContext) -> None:
             b = ctx.batch
@@ -785,10 +820,17 @@ class KimiLinearDecodeExecutor:
 
         def core_launch(ctx: StepContext) -> None:
             b = ctx.batch
-            if ctx.forward_context is None:
-                return  # warmup: the stock MLA decode needs real metadata
             p = bufs.rows("mla_proj", b, width)
             q = p[:, :q_width].view(b, n, nope + rope)
+            ql_nope = bufs.rows("mla_ql_nope", b, n * lora)
+            up = bufs.rows("attn_out", b, n * v_head)
+            if ctx.forward_context is None:
+                # Warmup: the stock MLA decode needs real metadata; the two
+                # absorptions run on the scratch rows (the attention output has
+                # ql_nope's [B, N, L] strides), so they compile before capture.
+                w_uk.run(q[..., :nope], ql_nope)
+                w_uv.run(ql_nope.view(b, n, lora), up)
+                return
             k_pe = p[:, q_width + lora :].unsqueeze(1)
             kv_c = bufs.rows("mla_kv_c", b, lora)
             kv_cache = attn.kv_cache
@@ -809,18 +851,15 @@ class KimiLinearDecodeExecutor:
                 kv_c, k_pe, kv_cache, _layer_slot_mapping(fc, mla.name),
                 attn.kv_cache_dtype, attn._k_scale,
             )  # fmt: skip
-            # 2. absorb W_UK into the query: (N, B, P) x (N, P, L) -> (N, B, L).
-            ql_nope = bufs.flat("mla_ql_nope", n * b * lora).view(n, b, lora)
-            torch.bmm(q[..., :nope].transpose(0, 1), attn.W_UK_T, out=ql_nope)
+            # 2. absorb W_UK into the query: per head [B, P] x [P, L] -> [B, L].
+            w_uk.run(q[..., :nope], ql_nope)
             # 3. vLLM's FlashAttention-3 MLA decode over the paged latent cache.
             out, _ = attn.impl.forward_mqa(
-                (ql_nope.transpose(0, 1), q[..., nope:]), kv_cache, metadata, attn
+                (ql_nope.view(b, n, lora), q[..., nope:]), kv_cache, metadata, attn
             )
-            # 4. W_UV: (N, B, L) x (N, L, V) -> (N, B, V), stored as [B, N*V].
-            up = bufs.rows("attn_out", b, n * v_head).view(b, n, v_head)
-            torch.bmm(
-                out.view(b, n, lora).transpose(0, 1), attn.W_UV, out=up.transpose(0, 1)
-            )
+            # 4. W_UV: per head [B, L] x [L, V] -> [B, V], stored as [B, N*V]; it
+            # lets o_proj (PDL) start streaming its weights while it runs.
+            w_uv.run(out.view(b, n, lora), up)
 
         self._step(i, "mla_kv_a_norm", ("mla_proj",), ("mla_kv_c",), kv_norm_launch)
         self._step(
