@@ -14,8 +14,9 @@ process (one engine per process): `decode_backend` "auto" (stock) and
 
 Also measured:
   * prefill throughput per backend (PREFILL_REQUESTS prompts of PREFILL_TOKENS
-    tokens, one output token each, after one untimed batch of the same shape): prompt
-    tokens per second, median of RUNS, ratio specialized / stock;
+    tokens, one output token each, after PREFILL_WARMUPS untimed batches of the same
+    shape): prompt tokens per second, median of max(RUNS, PREFILL_RUNS) batches, ratio
+    specialized / stock;
   * distinct routed experts per decode step at each N, from an eager stock
     engine with forward hooks on every MoE router (same weights and prompts);
   * where the GPU time of a step at N = 1 goes: every kernel's time per step from a
@@ -64,6 +65,7 @@ RUNS = 3
 PREFILL_REQUESTS = 16
 PREFILL_TOKENS = 1024
 PREFILL_WARMUPS = 2
+PREFILL_RUNS = 5
 EXPERT_COUNT_STEPS = 64
 # Decode steps of one request traced with the torch profiler after the timed runs
 # (GPU time per kernel name, CUDA-graph replays included): where a step's time goes.
@@ -467,7 +469,10 @@ def run_backend(
         for w in range(PREFILL_WARMUPS):
             await batch(f"pwarm{w}", PREFILL_REQUESTS, PREFILL_TOKENS, 1)
         rates = []
-        for r in range(runs):
+        # Prefill batches are ~1 s: always take several, whatever --runs is. One run
+        # per engine gave ratios of 0.82-1.23 between pairs of the same prefill code
+        # (decode_notes.md, 2026-12-01).
+        for r in range(max(runs, PREFILL_RUNS)):
             start = time.perf_counter()
             await batch(f"prefill{r}", PREFILL_REQUESTS, PREFILL_TOKENS, 1)
             rates.append(PREFILL_REQUESTS * PREFILL_TOKENS / (time.perf_counter() - start))

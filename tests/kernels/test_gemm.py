@@ -416,13 +416,13 @@ def test_row_groups_bad_input_raises_before_launch():
     prepared = PreparedGroupedGemm(weight)
     x = x_of(2)
     out = torch.full((2, HEADS * LORA), float("nan"), device="cuda", dtype=torch.bfloat16)
-    odd = torch.zeros(2, HEADS * 100 + 4, device="cuda", dtype=torch.bfloat16)
+    odd = torch.zeros(2, HEADS * 100 + 64, device="cuda", dtype=torch.bfloat16)
     cases = [
         (x.reshape(2, -1), ValueError, "3-D"),
         (x[:, :16], ValueError, "must be \\[M, 32, 128\\]"),
         (x.float(), TypeError, "bfloat16"),
         # Groups 100 elements apart at a 4-byte offset: not 16-byte loads.
-        (odd[:, 2:].as_strided((2, HEADS, NOPE), (HEADS * 100 + 4, 100, 1)), ValueError,
+        (odd[:, 2:].as_strided((2, HEADS, NOPE), (HEADS * 100 + 64, 100, 1)), ValueError,
          "16-byte aligned"),
     ]  # fmt: skip
     for bad, exc, match in cases:
