@@ -280,7 +280,9 @@ def phase_table(samples: dict[str, list[float]], steps: int) -> dict[str, dict]:
     }
 
 
-def run(model_dir: Path, backend: str, runner: str, ns: list[int]) -> tuple[dict, str]:
+def run(
+    model_dir: Path, backend: str, runner: str, ns: list[int], tokens: int = TOKENS
+) -> tuple[dict, str]:
     import asyncio
 
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -291,13 +293,13 @@ def run(model_dir: Path, backend: str, runner: str, ns: list[int]) -> tuple[dict
         return await stream_batch(engine, tag, n, PROMPT_TOKENS, max_tokens)
 
     async def main() -> tuple[dict, str]:
-        result = {"backend": backend, "runner": runner, "tokens": TOKENS, "per_n": {}}
-        await batch("settle", 1, TOKENS)
+        result = {"backend": backend, "runner": runner, "tokens": tokens, "per_n": {}}
+        await batch("settle", 1, tokens)
         result["missing_phases"] = (await engine.collective_rpc(install_timers))[0]
         for n in ns:
             await batch(f"warm{n}", n, 16)
             await engine.collective_rpc(take_timers)
-            chunks = await batch(f"n{n}", n, TOKENS)
+            chunks = await batch(f"n{n}", n, tokens)
             samples = (await engine.collective_rpc(take_timers))[0]
             itl = statistics.median(s for ch in chunks for s in itl_samples(ch)) * 1e3
             await engine.collective_rpc(start_cuda_trace)
@@ -306,7 +308,7 @@ def run(model_dir: Path, backend: str, runner: str, ns: list[int]) -> tuple[dict
             result["per_n"][str(n)] = {
                 "itl_ms": itl,
                 "gpu": gpu,
-                "phases": phase_table(samples, TOKENS),
+                "phases": phase_table(samples, tokens),
             }
             print(f"{backend} N={n}: inter-token latency {itl:.3f} ms, GPU idle {gpu}", flush=True)
         result["graph_replays"] = (await engine.collective_rpc(time_graph_replays))[0]
@@ -336,6 +338,12 @@ def main() -> int:
     )
     ap.add_argument("--n", default="1,2,4")
     ap.add_argument(
+        "--tokens",
+        type=int,
+        default=TOKENS,
+        help="output tokens per timed request (make bench uses 1024)",
+    )
+    ap.add_argument(
         "--triton-cache", type=Path, help="one Triton cache shared with make bench's engines"
     )
     args = ap.parse_args()
@@ -344,7 +352,7 @@ def main() -> int:
     # collective_rpc with functions needs vLLM's pickle-based serialization.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     ns = [int(n) for n in args.n.split(",")]
-    result, text = run(args.model_dir, args.backend, args.runner, ns)
+    result, text = run(args.model_dir, args.backend, args.runner, ns, args.tokens)
     name = f"host_loop-{args.backend}-{args.runner}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))

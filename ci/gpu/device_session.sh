@@ -10,7 +10,8 @@
 #   sh ci/gpu/device_session.sh bench-specialized  # make bench, role latency_specialized (~7 min)
 #   sh ci/gpu/device_session.sh host-loop [BACKEND[:RUNNER]...]  # host time per decode
 #                                        # step by phase (scripts/profile_host_loop.py,
-#                                        # ~2.5 min per engine), e.g. auto:v2
+#                                        # ~2.5 min per engine), e.g. auto:v2;
+#                                        # HD_HOST_LOOP_TOKENS=1024 as make bench
 #   sh ci/gpu/device_session.sh save-caches         # the host's Triton cache (with the
 #                                        # autotuning results) into $OUT in <= 15 MiB pieces;
 #                                        # put them in .gpu-cache/ and carry it: a fresh host
@@ -101,6 +102,7 @@ host-loop)
         [ "$engine" != "$backend" ] && runner="${engine#*:}"
         timeout "${HD_HOST_LOOP_S:-480}" python3 scripts/profile_host_loop.py --out-dir "$OUT" \
             --backend "$backend" --runner "$runner" --triton-cache "$TRITON" \
+            --tokens "${HD_HOST_LOOP_TOKENS:-256}" \
             > "/tmp/hd-host-$engine.log" 2>&1
         echo "host loop $engine: exit $?"
         grep -v "Autotuning kernel" "/tmp/hd-host-$engine.log" | tail -40
