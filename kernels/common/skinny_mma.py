@@ -88,6 +88,7 @@ class WarpRowTileMma:
         first_step,
         quad_lane,
         wait_after_first_loads: cutlass.Constexpr,
+        after_wait: cutlass.Constexpr = None,
     ):
         """``acc[h] += W[rows, K range] @ x[x_rows[h], K range]^T``.
 
@@ -95,7 +96,10 @@ class WarpRowTileMma:
         the activation row this lane's quad row reads for half ``h``.  With
         ``wait_after_first_loads`` the first batch of weight loads is issued
         before ``griddepcontrol.wait`` (weights never depend on the previous
-        kernel; the activations may).
+        kernel; the activations may).  ``after_wait`` (traced once, right
+        after the wait and before the first activation loads) lets the caller
+        issue its own loads of the previous kernel's output in the same round
+        trip.
         """
         halves, k_chunks = self.halves, self.k_chunks
         mma_atom = cute.make_mma_atom(
@@ -129,6 +133,8 @@ class WarpRowTileMma:
                     cute.autovec_copy(w_chunks[row_hi, chunk, None], w_hi[j])
             if cutlass.const_expr(wait_after_first_loads and batch_start == 0):
                 cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(after_wait is not None and batch_start == 0):
+                after_wait()
             for j in cutlass.range_constexpr(batch):
                 chunk = (first_step + batch_start + j) * LANES_PER_QUAD + quad_lane
                 for h in cutlass.range_constexpr(halves):

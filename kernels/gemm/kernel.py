@@ -14,10 +14,20 @@ The main loop (``common.skinny_mma``) streams W once with 16-byte loads into
   interleaved in 8-row blocks by ``pack_gate_up`` so each lane holds the gate
   and the up value of the same output; residual add + RMSNorm, where every
   tile writes its slice of the new residual and accumulates per-token sums of
-  squares, and the last tile of the grid (atomic ticket) normalises the row.
+  squares.  The norm then needs every tile's squares.  With
+  ``norm_by_every_tile`` each tile waits at a grid barrier (atomic ticket,
+  the last arrival advances an epoch word the others poll) and normalises its
+  own rows, still in registers; without it the last tile of the grid
+  normalises every row, re-reading them from L2.  That never waits on
+  another CTA (for grids whose tiles cannot all be resident at once) and is
+  the faster of the two for 1-2 tokens, where the whole-row pass is short.
 
-Counters and sums of squares are reset by the CTA that consumed them, so a
-captured CUDA graph can be replayed without any host work.
+Counters and sums of squares are reset by the CTAs that consumed them, so a
+captured CUDA graph can be replayed without any host work.  A launch adds its
+squares to the buffer of sums selected by the epoch's parity.  The barrier's
+last arrival zeroes the other buffer (no CTA of this launch reads it) and
+advances the epoch; the last-tile pass zeroes its own buffer after reading it
+and leaves the epoch, so launches of the two schemes may alternate.
 
 Grouped variant (``RowGroups``, plain epilogue): G independent products
 ``y[:, g*R:(g+1)*R] = x_g @ W_g^T`` in one launch, each group with its own
@@ -33,6 +43,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
 
 from ..common.skinny_mma import (
     CHUNK,
@@ -51,6 +62,17 @@ from ..common.skinny_mma import (
 # thread before using any, so the whole-row pass is not one L2 round trip per
 # chunk.
 NORM_LOADS_IN_FLIGHT = 8
+# Workspace of the residual+RMSNorm epilogue, after the split-K tickets
+# (counters[tile]): the grid-wide ticket, then the barrier's epoch word on a
+# 128-byte line of its own (the waiting tiles poll it; the arrivals' atomics
+# on the ticket stay off that line); and the per-token sums of squares, two
+# buffers of MAX_TOKENS (epoch parity).
+GRID_TICKET = 0
+BARRIER_EPOCH = 32
+NORM_COUNTERS = BARRIER_EPOCH + 1
+SUMSQ_BUFFERS = 2
+# Pause between two polls of the epoch word, in ns.
+BARRIER_POLL_NS = 32
 
 EPILOGUE_PLAIN = "plain"
 EPILOGUE_SILU_MUL = "silu_mul"
@@ -98,6 +120,7 @@ class SkinnyGemmKernel:
         out_cols: int | None = None,
         use_pdl: bool = True,
         row_groups: RowGroups | None = None,
+        norm_by_every_tile: bool = False,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -139,6 +162,11 @@ class SkinnyGemmKernel:
         # previous kernel in the stream finishes (SM90 griddepcontrol).
         self.use_pdl = use_pdl
         self.row_groups = row_groups
+        # Only the caller knows whether all tiles fit on the GPU at once (the
+        # barrier's condition); PreparedGemm decides from the SM count.
+        self.norm_by_every_tile = (
+            norm_by_every_tile and epilogue == EPILOGUE_RESIDUAL_RMSNORM
+        )
         if row_groups is not None:
             g = row_groups
             if epilogue != EPILOGUE_PLAIN:
@@ -269,14 +297,32 @@ class SkinnyGemmKernel:
 
         acc = new_accumulators(halves)
         first_step = (split * self.warps_k + warp) * self.steps_per_warp
-        self.mma.accumulate(
-            acc, w_chunks, row_lo, row_hi, x_chunks, x_rows, first_step, quad_lane,
-            self.use_pdl,
-        )  # fmt: skip
+        vals = self.values_per_lane
+        residual_in = cute.make_rmem_tensor((vals,), Float32)
+        epoch_in = cute.make_rmem_tensor((1,), Int32)
+        gamma_rows = cute.make_rmem_tensor((2,), Float32)
+        if const_expr(self.norm_by_every_tile):
+            # The norm weight never depends on the previous kernel.
+            self._load_gamma_rows(gamma_rows, gamma_ptr, tile, quad_row)
+        if const_expr(self.epilogue == EPILOGUE_RESIDUAL_RMSNORM):
+            # The residual may be the previous kernel's output: loaded right
+            # after the wait, with the activations, not after the reduction.
+            self.mma.accumulate(
+                acc, w_chunks, row_lo, row_hi, x_chunks, x_rows, first_step,
+                quad_lane, self.use_pdl,
+                lambda: self._load_residual(
+                    residual_in, epoch_in, residual_ptr, counter_ptr, tile,
+                    quad_row, quad_lane, m,
+                ),  # fmt: skip
+            )  # fmt: skip
+        else:
+            self.mma.accumulate(
+                acc, w_chunks, row_lo, row_hi, x_chunks, x_rows, first_step,
+                quad_lane, self.use_pdl,
+            )  # fmt: skip
 
         # ---- reduce the K slices of this CTA's warps through shared memory
         smem = cutlass.utils.SmemAllocator()
-        vals = self.values_per_lane
         red = smem.allocate_tensor(
             Float32,
             cute.make_layout((self.warps_k, WARP_THREADS, vals)),
@@ -292,29 +338,31 @@ class SkinnyGemmKernel:
             if const_expr(self.split_k > 1):
                 self._split_k_reduce_and_epilogue(
                     total, tile, split, lane, quad_row, quad_lane, m,
-                    out_ptr, residual_ptr, residual_out_ptr, partial_ptr,
-                    counter_ptr, sumsq_ptr, flag,
+                    out_ptr, residual_in, epoch_in, residual_out_ptr, gamma_rows,
+                    partial_ptr, counter_ptr, sumsq_ptr, flag,
                 )  # fmt: skip
             else:
                 self._epilogue(
                     total, tile, lane, quad_row, quad_lane, m,
-                    out_ptr, residual_ptr, residual_out_ptr, counter_ptr,
-                    sumsq_ptr, flag,
+                    out_ptr, residual_in, epoch_in, residual_out_ptr, gamma_rows,
+                    counter_ptr, sumsq_ptr, flag,
                 )  # fmt: skip
 
-        if const_expr(self.epilogue == EPILOGUE_RESIDUAL_RMSNORM):
+        if const_expr(
+            self.epilogue == EPILOGUE_RESIDUAL_RMSNORM and not self.norm_by_every_tile
+        ):
             cute.arch.sync_threads()
             if flag[0] == 1:
                 self._normalize_rows(
                     tidx, m, residual_out_ptr, gamma_ptr, out_ptr, counter_ptr,
-                    sumsq_ptr, rstd,
+                    sumsq_ptr, epoch_in[0] % SUMSQ_BUFFERS, rstd,
                 )  # fmt: skip
 
     @cute.jit
     def _split_k_reduce_and_epilogue(
         self, total, tile, split, lane, quad_row, quad_lane, m,
-        out_ptr, residual_ptr, residual_out_ptr, partial_ptr, counter_ptr,
-        sumsq_ptr, flag,
+        out_ptr, residual_in, epoch_in, residual_out_ptr, gamma_rows, partial_ptr,
+        counter_ptr, sumsq_ptr, flag,
     ):  # fmt: skip
         vals = self.values_per_lane
         # partial[tile, split, lane, v]: lane-major so a warp's store is coalesced.
@@ -330,9 +378,7 @@ class SkinnyGemmKernel:
                 ),
             ),
         )
-        counters = cute.make_tensor(
-            counter_ptr, cute.make_layout((self.num_tiles + 1,))
-        )
+        counters = cute.make_tensor(counter_ptr, cute.make_layout((self.num_tiles,)))
         for v in cutlass.range_constexpr(vals):
             partials[tile, split, lane, v] = total[v]
         # Publish the partial before taking a ticket (release), and make the
@@ -359,14 +405,15 @@ class SkinnyGemmKernel:
                 counters[tile] = Int32(0)
             self._epilogue(
                 total, tile, lane, quad_row, quad_lane, m,
-                out_ptr, residual_ptr, residual_out_ptr, counter_ptr, sumsq_ptr,
-                flag,
+                out_ptr, residual_in, epoch_in, residual_out_ptr, gamma_rows,
+                counter_ptr, sumsq_ptr, flag,
             )  # fmt: skip
 
     @cute.jit
     def _epilogue(
         self, total, tile, lane, quad_row, quad_lane, m,
-        out_ptr, residual_ptr, residual_out_ptr, counter_ptr, sumsq_ptr, flag,
+        out_ptr, residual_in, epoch_in, residual_out_ptr, gamma_rows, counter_ptr,
+        sumsq_ptr, flag,
     ):  # fmt: skip
         n = self.n
         # total[4h + v]: v=0/1 -> row g, tokens 2t/2t+1; v=2/3 -> row g+8.
@@ -397,38 +444,75 @@ class SkinnyGemmKernel:
                         out[token, col] = (silu * up).to(BFloat16)
         else:
             self._residual_epilogue(
-                total, tile, lane, quad_row, quad_lane, m, residual_ptr,
-                residual_out_ptr, counter_ptr, sumsq_ptr, flag,
+                total, tile, lane, quad_row, quad_lane, m, out_ptr, residual_in,
+                epoch_in[0], residual_out_ptr, gamma_rows, counter_ptr, sumsq_ptr,
+                flag,
             )  # fmt: skip
 
     @cute.jit
+    def _load_residual(
+        self, residual_in, epoch_in, residual_ptr, counter_ptr, tile, quad_row,
+        quad_lane, m,
+    ):  # fmt: skip
+        """This lane's residual values in the accumulator layout (clamped
+        indices: every load is in bounds, values past M or N are never used)
+        and the epoch, which the previous launch may have advanced."""
+        n = self.n
+        epoch_in[0] = cute.arch.load(
+            counter_ptr + self.num_tiles + BARRIER_EPOCH, Int32,
+            sem="relaxed", scope="gpu",
+        )  # fmt: skip
+        residual = cute.make_tensor(
+            residual_ptr, cute.make_layout((MAX_TOKENS, n), stride=(n, 1))
+        )
+        for h in cutlass.range_constexpr(self.halves):
+            for v in cutlass.range_constexpr(4):
+                token = h * TOKENS_PER_MMA + 2 * quad_lane + (v % 2)
+                row = tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * (v // 2)
+                residual_in[4 * h + v] = residual[
+                    cutlass.min(token, m - 1), cutlass.min(row, n - 1)
+                ].to(Float32)
+
+    @cute.jit
+    def _load_gamma_rows(self, gamma_rows, gamma_ptr, tile, quad_row):
+        n = self.n
+        gamma = cute.make_tensor(gamma_ptr, cute.make_layout((n,)))
+        for r in cutlass.range_constexpr(2):
+            row = tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * r
+            gamma_rows[r] = gamma[cutlass.min(row, n - 1)].to(Float32)
+
+    @cute.jit
     def _residual_epilogue(
-        self, total, tile, lane, quad_row, quad_lane, m, residual_ptr,
-        residual_out_ptr, counter_ptr, sumsq_ptr, flag,
+        self, total, tile, lane, quad_row, quad_lane, m, out_ptr, residual_in,
+        epoch, residual_out_ptr, gamma_rows, counter_ptr, sumsq_ptr, flag,
     ):  # fmt: skip
         n = self.n
-        layout = cute.make_layout((MAX_TOKENS, n), stride=(n, 1))
-        residual = cute.make_tensor(residual_ptr, layout)
-        residual_out = cute.make_tensor(residual_out_ptr, layout)
-        counters = cute.make_tensor(
-            counter_ptr, cute.make_layout((self.num_tiles + 1,))
+        residual_out = cute.make_tensor(
+            residual_out_ptr, cute.make_layout((MAX_TOKENS, n), stride=(n, 1))
         )
-        sumsq = cute.make_tensor(sumsq_ptr, cute.make_layout((MAX_TOKENS,)))
+        counters = cute.make_tensor(
+            counter_ptr, cute.make_layout((self.num_tiles + NORM_COUNTERS,))
+        )
+        grid_ticket = counters.iterator + self.num_tiles + GRID_TICKET
+        sumsq = cute.make_tensor(
+            sumsq_ptr,
+            cute.make_layout((SUMSQ_BUFFERS, MAX_TOKENS), stride=(MAX_TOKENS, 1)),
+        )
+        buffer = epoch % SUMSQ_BUFFERS
+        hidden = cute.make_rmem_tensor((self.values_per_lane,), Float32)
         squares = cute.make_rmem_tensor((self.values_per_lane,), Float32)
         for h in cutlass.range_constexpr(self.halves):
             for v in cutlass.range_constexpr(4):
                 token = h * TOKENS_PER_MMA + 2 * quad_lane + (v % 2)
                 row = tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * (v // 2)
+                # The new residual is stored in bf16, and the norm is taken of
+                # exactly what is stored (as vLLM's fused_add_rms_norm).
+                stored = (total[4 * h + v] + residual_in[4 * h + v]).to(BFloat16)
+                hidden[4 * h + v] = stored.to(Float32)
                 squares[4 * h + v] = Float32(0.0)
                 if token < m and row < n:
-                    # The new residual is stored in bf16, and the norm is taken
-                    # of exactly what is stored (as vLLM's fused_add_rms_norm).
-                    hidden = (total[4 * h + v] + residual[token, row].to(Float32)).to(
-                        BFloat16
-                    )
-                    residual_out[token, row] = hidden
-                    hidden_f32 = hidden.to(Float32)
-                    squares[4 * h + v] = hidden_f32 * hidden_f32
+                    residual_out[token, row] = stored
+                    squares[4 * h + v] = hidden[4 * h + v] * hidden[4 * h + v]
         for h in cutlass.range_constexpr(self.halves):
             for p in cutlass.range_constexpr(2):
                 token = h * TOKENS_PER_MMA + 2 * quad_lane + p
@@ -437,44 +521,106 @@ class SkinnyGemmKernel:
                 for offset in cutlass.range_constexpr(3):
                     s = s + cute.arch.shuffle_sync_bfly(s, 4 << offset)
                 if quad_row == 0 and token < m:
-                    cute.arch.atomic_add(sumsq.iterator + token, s, scope="gpu")
-        # Release this tile's residual slice and squares, then take a ticket;
-        # the last tile of the grid normalises every row.
+                    cute.arch.atomic_add(
+                        sumsq.iterator + buffer * MAX_TOKENS + token, s, scope="gpu"
+                    )
+        # Release this tile's residual slice and squares, then take a ticket.
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_warp()
         ticket = Int32(0)
         if lane == 0:
             ticket = cute.arch.atomic_add(
-                counters.iterator + self.num_tiles, Int32(1), sem="acq_rel", scope="gpu"
+                grid_ticket, Int32(1), sem="acq_rel", scope="gpu"
             )
         ticket = cute.arch.shuffle_sync(ticket, 0)
-        # Nested rather than `and`: DSL conditions on run-time values lower
-        # to one scf.if each.
-        if lane == 0:  # noqa: SIM102
-            if ticket == self.num_tiles - 1:
-                flag[0] = Int32(1)
+        if const_expr(self.norm_by_every_tile):
+            self._barrier_and_normalize(
+                hidden, ticket, epoch, buffer, tile, lane, quad_row, quad_lane, m,
+                out_ptr, gamma_rows, counters, sumsq,
+            )  # fmt: skip
+        else:
+            # The last tile of the grid normalises every row.  Nested rather
+            # than `and`: DSL conditions on run-time values lower to one
+            # scf.if each.
+            if lane == 0:  # noqa: SIM102
+                if ticket == self.num_tiles - 1:
+                    flag[0] = Int32(1)
+
+    @cute.jit
+    def _barrier_and_normalize(
+        self, hidden, ticket, epoch, buffer, tile, lane, quad_row, quad_lane, m,
+        out_ptr, gamma_rows, counters, sumsq,
+    ):  # fmt: skip
+        n = self.n
+        epoch_word = counters.iterator + self.num_tiles + BARRIER_EPOCH
+        if ticket == self.num_tiles - 1:
+            # Last arrival: re-arm the ticket and the next launch's sums,
+            # then open the barrier.
+            if lane < MAX_TOKENS:
+                sumsq[1 - buffer, lane] = Float32(0.0)
+            if lane == 0:
+                counters[self.num_tiles + GRID_TICKET] = Int32(0)
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.atomic_exch(epoch_word, epoch + 1, sem="release", scope="gpu")
+        else:
+            # Every tile of the grid is resident (PreparedGemm checks the
+            # grid fits), so the last arrival comes.
+            if lane == 0:
+                seen = epoch
+                while seen == epoch:
+                    nvvm.nanosleep(Int32(BARRIER_POLL_NS).ir_value())
+                    seen = cute.arch.load(epoch_word, Int32, sem="acquire", scope="gpu")
+            cute.arch.sync_warp()
+        cute.arch.fence_acq_rel_gpu()
+        # Lane t < M holds token t's 1/rms; every lane gathers its tokens'.
+        inv_rms = Float32(0.0)
+        if lane < m:
+            total_sq = cute.arch.atomic_add(
+                sumsq.iterator + buffer * MAX_TOKENS + lane, Float32(0.0),
+                scope="gpu",
+            )  # fmt: skip
+            inv_rms = cute.math.rsqrt(total_sq / Float32(n) + Float32(self.eps))
+        out = cute.make_tensor(
+            out_ptr, cute.make_layout((MAX_TOKENS, n), stride=(n, 1))
+        )
+        for h in cutlass.range_constexpr(self.halves):
+            for p in cutlass.range_constexpr(2):
+                token = h * TOKENS_PER_MMA + 2 * quad_lane + p
+                scale = cute.arch.shuffle_sync(inv_rms, token)
+                for r in cutlass.range_constexpr(2):
+                    row = tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * r
+                    normed = (hidden[4 * h + 2 * r + p] * scale).to(BFloat16)
+                    if token < m and row < n:
+                        out[token, row] = (normed.to(Float32) * gamma_rows[r]).to(
+                            BFloat16
+                        )
 
     @cute.jit
     def _normalize_rows(
         self, tidx, m, residual_out_ptr, gamma_ptr, out_ptr, counter_ptr, sumsq_ptr,
-        rstd,
+        buffer, rstd,
     ):  # fmt: skip
         n = self.n
         row_chunks = n // CHUNK
         cute.arch.fence_acq_rel_gpu()
         counters = cute.make_tensor(
-            counter_ptr, cute.make_layout((self.num_tiles + 1,))
+            counter_ptr, cute.make_layout((self.num_tiles + NORM_COUNTERS,))
         )
-        sumsq = cute.make_tensor(sumsq_ptr, cute.make_layout((MAX_TOKENS,)))
+        sumsq = cute.make_tensor(
+            sumsq_ptr,
+            cute.make_layout((SUMSQ_BUFFERS, MAX_TOKENS), stride=(MAX_TOKENS, 1)),
+        )
         if tidx < MAX_TOKENS:
             # Read through an atomic so the value comes from L2, then re-arm.
             total_sq = cute.arch.atomic_add(
-                sumsq.iterator + tidx, Float32(0.0), scope="gpu"
+                sumsq.iterator + buffer * MAX_TOKENS + tidx, Float32(0.0), scope="gpu"
             )
             rstd[tidx] = cute.math.rsqrt(total_sq / Float32(n) + Float32(self.eps))
-            sumsq[tidx] = Float32(0.0)
+            sumsq[buffer, tidx] = Float32(0.0)
         if tidx == 0:
-            counters[self.num_tiles] = Int32(0)
+            counters[self.num_tiles + GRID_TICKET] = Int32(0)
         cute.arch.sync_threads()
         chunk_layout = cute.make_layout(
             (MAX_TOKENS, row_chunks, CHUNK), stride=(n, CHUNK, 1)

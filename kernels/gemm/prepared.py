@@ -31,7 +31,9 @@ from .kernel import (
     EPILOGUES,
     LANES_PER_QUAD,
     MAX_TOKENS,
+    NORM_COUNTERS,
     ROWS_PER_TILE,
+    SUMSQ_BUFFERS,
     TOKENS_PER_MMA,
     WARP_THREADS,
     RowGroups,
@@ -58,6 +60,17 @@ UNROLL_BY_BUCKET = {TOKENS_PER_MMA: 8, MAX_TOKENS: 6}
 # Every warp gets at least this many K-steps, so the split-K reduction does
 # not cost more than the loads it parallelises.
 MIN_STEPS_PER_WARP = 3
+# CTAs of at most 8 warps always fit two per SM (255 registers x 256 threads
+# fill the register file once; the shared memory is a few KiB), so a grid of
+# at most this many 16-row tiles per SM can hold one waiting CTA per tile
+# while the others still get scheduled: the RMSNorm grid barrier cannot
+# deadlock.
+BARRIER_MAX_TILES_PER_SM = 2
+BARRIER_MAX_WARPS = 8
+# From this many tokens on the barrier beats the last tile's whole-row pass
+# (H200, N=2304, K=1024/4096/9216, chained launches: 0.3-0.5 us slower at M=1-2,
+# equal at 4, 0.6-1.0 us faster at 8, 3-4 us at 16; docs/perf/gemm_notes.md).
+BARRIER_MIN_TOKENS = 4
 
 _COMPILED: dict[tuple, object] = {}
 COMPILE_SECONDS: dict[tuple, float] = {}
@@ -231,17 +244,30 @@ class PreparedGemm:
         }
         tiles = -(-self.n_packed // ROWS_PER_TILE)
         max_split = max(c.split_k for c in self.configs.values())
+        # The RMSNorm's grid barrier needs every tile of the grid able to wait
+        # on the GPU at once.
+        self.grid_barrier_fits = (
+            epilogue == EPILOGUE_RESIDUAL_RMSNORM
+            and tiles <= BARRIER_MAX_TILES_PER_SM * num_sms
+            and max(c.warps_k for c in self.configs.values()) <= BARRIER_MAX_WARPS
+        )
         # FP32 partials [tile, split, lane, 8 values], only read or written
         # when K is split across CTAs (else a 16-byte placeholder pointer);
-        # counters[tile] for split-K tickets plus one grid-wide ticket for the
-        # RMSNorm pass.
+        # counters[tile] for split-K tickets plus the RMSNorm's grid ticket and
+        # barrier epoch; the RMSNorm's two buffers of per-token sums of squares.
         partial_elems = tiles * max_split * WARP_THREADS * 8 if max_split > 1 else 4
         self.partials = torch.empty(
             partial_elems, dtype=torch.float32, device=self.device
         )
-        self.workspace_bytes = 4 * (partial_elems + tiles + 1 + MAX_TOKENS)
-        self.counters = torch.zeros(tiles + 1, dtype=torch.int32, device=self.device)
-        self.sumsq = torch.zeros(MAX_TOKENS, dtype=torch.float32, device=self.device)
+        self.counters = torch.zeros(
+            tiles + NORM_COUNTERS, dtype=torch.int32, device=self.device
+        )
+        self.sumsq = torch.zeros(
+            SUMSQ_BUFFERS * MAX_TOKENS, dtype=torch.float32, device=self.device
+        )
+        self.workspace_bytes = 4 * (
+            partial_elems + self.counters.numel() + self.sumsq.numel()
+        )
         self._static_ptrs = (
             _ptr(self.weight, cutlass.BFloat16),
             _ptr(self.gamma, cutlass.BFloat16),
@@ -249,39 +275,55 @@ class PreparedGemm:
             _ptr(self.counters, cutlass.Int32),
             _ptr(self.sumsq, cutlass.Float32),
         )
-        self._fns: dict[int, object] = {}
+        self._fns: dict[tuple[int, bool], object] = {}
+
+    def norm_by_every_tile(self, m: int) -> bool:
+        """Whether a launch for ``m`` tokens normalises through the grid barrier
+        (else the last tile normalises every row)."""
+        return self.grid_barrier_fits and m >= BARRIER_MIN_TOKENS
+
+    def _variants(self, bucket: int) -> list[bool]:
+        low = 1 if bucket == TOKENS_PER_MMA else TOKENS_PER_MMA + 1
+        return sorted({self.norm_by_every_tile(m) for m in range(low, bucket + 1)})
 
     # ------------------------------------------------------------- compiling
-    def _key(self, bucket: int) -> tuple:
+    def _key(self, bucket: int, barrier: bool) -> tuple:
         c = self.configs[bucket]
         return (
             self.n_packed, self.k, self.out_features, bucket, self.epilogue, c,
-            self.eps, self.use_pdl,
+            self.eps, self.use_pdl, barrier,
         )  # fmt: skip
 
     def compile(self, buckets=(TOKENS_PER_MMA, MAX_TOKENS)) -> dict[int, float]:
-        """Compile (or fetch from the process cache); returns seconds per bucket."""
+        """Compile (or fetch from the process cache) every variant the buckets
+        use; returns seconds per bucket."""
         seconds = {}
         for bucket in buckets:
-            key = self._key(bucket)
-            if key not in _COMPILED:
-                c = self.configs[bucket]
-                kern = SkinnyGemmKernel(
-                    self.n_packed, self.k, bucket, self.epilogue,
-                    c.warps_k, c.split_k, c.unroll, self.eps,
-                    out_cols=self.out_features, use_pdl=self.use_pdl,
-                )  # fmt: skip
-                bf16 = _ptr(self.weight, cutlass.BFloat16)
-                w, g, p, cnt, sq = self._static_ptrs
-                start = time.perf_counter()
-                _COMPILED[key] = cute.compile(
-                    kern, bf16, w, bf16, bf16, bf16, g, p, cnt, sq,
-                    cutlass.Int32(1), cuda.CUstream(0),
-                )  # fmt: skip
-                COMPILE_SECONDS[key] = time.perf_counter() - start
-            self._fns[bucket] = _COMPILED[key]
-            seconds[bucket] = COMPILE_SECONDS[key]
+            seconds[bucket] = sum(
+                self._compile(bucket, barrier) for barrier in self._variants(bucket)
+            )
         return seconds
+
+    def _compile(self, bucket: int, barrier: bool) -> float:
+        key = self._key(bucket, barrier)
+        if key not in _COMPILED:
+            c = self.configs[bucket]
+            kern = SkinnyGemmKernel(
+                self.n_packed, self.k, bucket, self.epilogue,
+                c.warps_k, c.split_k, c.unroll, self.eps,
+                out_cols=self.out_features, use_pdl=self.use_pdl,
+                norm_by_every_tile=barrier,
+            )  # fmt: skip
+            bf16 = _ptr(self.weight, cutlass.BFloat16)
+            w, g, p, cnt, sq = self._static_ptrs
+            start = time.perf_counter()
+            _COMPILED[key] = cute.compile(
+                kern, bf16, w, bf16, bf16, bf16, g, p, cnt, sq,
+                cutlass.Int32(1), cuda.CUstream(0),
+            )  # fmt: skip
+            COMPILE_SECONDS[key] = time.perf_counter() - start
+        self._fns[(bucket, barrier)] = _COMPILED[key]
+        return COMPILE_SECONDS[key]
 
     # --------------------------------------------------------------- running
     def run(
@@ -318,11 +360,11 @@ class PreparedGemm:
                     f"residual is only used by {EPILOGUE_RESIDUAL_RMSNORM}"
                 )
             res_ptr = res_out_ptr = w  # never read or written
-        bucket = m_bucket_for(m)
-        fn = self._fns.get(bucket)
+        variant = (m_bucket_for(m), self.norm_by_every_tile(m))
+        fn = self._fns.get(variant)
         if fn is None:
-            self.compile((bucket,))
-            fn = self._fns[bucket]
+            self._compile(*variant)
+            fn = self._fns[variant]
         stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         fn(
             _ptr(x, cutlass.BFloat16), w, _ptr(out, cutlass.BFloat16),

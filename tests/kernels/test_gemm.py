@@ -29,6 +29,7 @@ if torch.cuda.get_device_capability() != (9, 0):
         allow_module_level=True,
     )
 
+from kernels.gemm.kernel import BARRIER_EPOCH, NORM_COUNTERS  # noqa: E402
 from kernels.gemm.prepared import (  # noqa: E402
     PreparedGemm,
     PreparedGroupedGemm,
@@ -72,8 +73,14 @@ CASES = [
     ("ragged_k", "plain"),
     # silu_mul through the grid split-K path (N=576 is split across CTAs).
     ("mla_kv_a_proj", "silu_mul"),
+    # More 16-row tiles than two per SM: the RMSNorm by the last tile.
+    ("wide_residual", "residual_rmsnorm"),
 ]
-EXTRA_SHAPES = {"ragged_n": (2 * 1000 + 8, 2304 + 8), "ragged_k": (1000, 2304 + 24)}
+EXTRA_SHAPES = {
+    "ragged_n": (2 * 1000 + 8, 2304 + 8),
+    "ragged_k": (1000, 2304 + 24),
+    "wide_residual": (4608, 1024),  # 288 tiles > 2 x 132 SMs of the H200
+}
 
 _weights: dict = {}
 
@@ -151,22 +158,53 @@ def test_matches_fp32_reference_all_m(name, epilogue):
             _close(out, ref, what)
 
 
-def test_residual_rmsnorm_in_place_and_repeated():
-    """residual_out may alias residual; counters/sums re-arm between launches."""
-    w = _weight("kda_o_proj")
+def _gamma(n: int, gen: torch.Generator) -> torch.Tensor:
+    return (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(torch.bfloat16)
+
+
+def test_rmsnorm_scheme_follows_the_grid_size_and_m():
+    """The grid barrier only where every tile can wait on the GPU at once, and
+    from 4 tokens on (the last tile's whole-row pass is faster below)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in ("kda_o_proj", "wide_residual"):
+        w = _weight(name)
+        prepared = PreparedGemm(w, "residual_rmsnorm", rmsnorm_weight=_gamma(w.shape[0], gen))
+        tiles = -(-w.shape[0] // 16)
+        fits = tiles <= 2 * sms
+        assert prepared.grid_barrier_fits == fits, (name, tiles, sms)
+        assert [prepared.norm_by_every_tile(m) for m in range(1, 17)] == [
+            fits and m >= 4 for m in range(1, 17)
+        ]
+
+
+@pytest.mark.parametrize("name", ["kda_o_proj", "wide_residual"])
+def test_residual_rmsnorm_in_place_and_repeated(name):
+    """residual_out may alias residual; tickets and sums re-arm between launches
+    (for the barrier: the epoch counts launches and the next launch's buffer of
+    sums is zero)."""
+    w = _weight(name)
     n, k = w.shape
     gen = torch.Generator(device="cuda").manual_seed(7)
-    gamma = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(torch.bfloat16)
+    gamma = _gamma(n, gen)
     prepared = PreparedGemm(w, "residual_rmsnorm", rmsnorm_weight=gamma, eps=EPS)
-    for m in (1, 5, 16, 3):
+    launches = (1, 5, 16, 3, 8, 2)
+    for m in launches:
         x, out, residual, _ = _inputs("residual_rmsnorm", m, n, k, gen)
         ref, ref_hidden = _reference("residual_rmsnorm", x, w, residual, gamma)
         prepared.run(x, out, residual=residual, residual_out=residual)
         torch.cuda.synchronize()
-        _close(residual, ref_hidden, f"in-place residual M={m}")
-        _close(out, ref, f"in-place normed M={m}")
-    assert int(prepared.counters.abs().sum()) == 0
-    assert float(prepared.sumsq.abs().sum()) == 0.0
+        _close(residual, ref_hidden, f"{name} in-place residual M={m}")
+        _close(out, ref, f"{name} in-place normed M={m}")
+    counters = prepared.counters.clone()
+    epoch_index = counters.numel() - NORM_COUNTERS + BARRIER_EPOCH
+    epoch = int(counters[epoch_index])
+    counters[epoch_index] = 0
+    assert int(counters.abs().sum()) == 0  # every ticket re-armed
+    # The barrier advances the epoch and leaves its own buffer of sums for the
+    # next barrier launch to zero; the next launch's buffer is always zero.
+    assert epoch == sum(prepared.norm_by_every_tile(m) for m in launches)
+    assert float(prepared.sumsq.view(2, 16)[epoch % 2].abs().sum()) == 0.0
 
 
 def test_plain_is_deterministic_with_split_k():
@@ -206,6 +244,47 @@ def test_pack_gate_up_layout():
                 assert not gate_row.any() and not up_row.any()
     with pytest.raises(ValueError, match="2\\*I"):
         pack_gate_up(w[:-1])
+
+
+@pytest.mark.parametrize("name", ["kda_o_proj", "wide_residual"])
+def test_residual_rmsnorm_chained_launches_in_a_graph(name):
+    """32 launches of one binding back to back in a graph (under PDL each starts
+    while the previous drains), M cycling so both RMSNorm schemes alternate,
+    replayed three times: every launch matches the reference, so the tickets,
+    the barrier's epoch and the double-buffered sums re-arm between chained
+    launches of either scheme."""
+    w = _weight(name)
+    n, k = w.shape
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    gamma = _gamma(n, gen)
+    prepared = PreparedGemm(w, "residual_rmsnorm", rmsnorm_weight=gamma, eps=EPS)
+    ms = [(1, 4, 2, 8, 16, 3, 12, 5)[i % 8] for i in range(32)]
+
+    def buffers(cols):
+        return [torch.empty(m, cols, device="cuda", dtype=torch.bfloat16) for m in ms]
+
+    xs, residuals, residual_outs, outs = buffers(k), buffers(n), buffers(n), buffers(n)
+
+    def chain():
+        for x, res, res_out, out in zip(xs, residuals, residual_outs, outs):
+            prepared.run(x, out, residual=res, residual_out=res_out)
+
+    prepared.compile()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for replay in range(3):
+        for t in xs + residuals:
+            t.copy_(torch.randn(t.shape, device="cuda", generator=gen))
+        for t in outs + residual_outs:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, m in enumerate(ms):
+            ref, ref_hidden = _reference("residual_rmsnorm", xs[i], w, residuals[i], gamma)
+            what = f"{name} replay {replay} launch {i} M={m}"
+            _close(residual_outs[i], ref_hidden, what + " residual_out")
+            _close(outs[i], ref, what + " normed")
 
 
 @pytest.mark.parametrize("use_pdl", [True, False], ids=["pdl", "no_pdl"])

@@ -27,20 +27,29 @@ def _ptr(dtype):
     return cute.runtime.make_ptr(dtype, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
 
 
-# (N, K, m_bucket, epilogue, warps_k, split_k, unroll, out_cols)
+# (N, K, m_bucket, epilogue, warps_k, split_k, unroll, out_cols, norm_by_every_tile)
 VARIANTS = [
-    (2304, 4096, 8, "plain", 4, 4, 8, None),  # grid split-K
-    (2304, 1024, 16, "residual_rmsnorm", 4, 1, 6, None),
-    (576, 2304, 16, "residual_rmsnorm", 4, 6, 6, None),  # split-K + grid ticket
-    (2016, 2312, 8, "silu_mul", 4, 2, 8, 1004),  # ragged K, padded I
-    (1000, 2328, 16, "plain", 2, 1, 6, None),  # ragged N and K
+    (2304, 4096, 8, "plain", 4, 4, 8, None, False),  # grid split-K
+    (2304, 1024, 16, "residual_rmsnorm", 4, 1, 6, None, False),  # last-tile norm
+    (576, 2304, 16, "residual_rmsnorm", 4, 6, 6, None, False),  # split-K + grid ticket
+    (2304, 4096, 8, "residual_rmsnorm", 4, 4, 8, None, True),  # split-K + barrier
+    (2008, 1024, 16, "residual_rmsnorm", 4, 1, 6, None, True),  # ragged N + barrier
+    (2016, 2312, 8, "silu_mul", 4, 2, 8, 1004, False),  # ragged K, padded I
+    (1000, 2328, 16, "plain", 2, 1, 6, None, False),  # ragged N and K
 ]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}x{v[1]}-m{v[2]}-{v[3]}")
+def _variant_id(v):
+    return f"{v[0]}x{v[1]}-m{v[2]}-{v[3]}" + ("-barrier" if v[8] else "")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
 def test_compiles_for_sm90a(variant):
-    n, k, bucket, epilogue, warps_k, split_k, unroll, out_cols = variant
-    kern = SkinnyGemmKernel(n, k, bucket, epilogue, warps_k, split_k, unroll, out_cols=out_cols)
+    n, k, bucket, epilogue, warps_k, split_k, unroll, out_cols, barrier = variant
+    kern = SkinnyGemmKernel(
+        n, k, bucket, epilogue, warps_k, split_k, unroll, out_cols=out_cols,
+        norm_by_every_tile=barrier,
+    )  # fmt: skip
     bf16 = _ptr(cutlass.BFloat16)
     compiled = cute.compile(
         kern, bf16, bf16, bf16, bf16, bf16, bf16,

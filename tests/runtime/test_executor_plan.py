@@ -492,7 +492,7 @@ def test_plan_is_the_op_sequence_of_each_layer_kind():
     _, executor, _ = build()
     ops = [(s.layer, s.op) for s in executor.plan]
     kda = ["kda_in_proj", "kda_step", "o_proj"]
-    mla = ["mla_qkv_a", "mla_kv_a_norm", "mla_decode", "o_proj"]
+    mla = ["mla_qkv_a", "mla_w_uk", "mla_kv_a_norm", "mla_decode", "o_proj"]
     expected = [(-1, "kda_state_slots"), (-1, "embedding"), (-1, "input_norm")]
     expected += [(0, op) for op in kda + ["mlp_gate_up", "mlp_down"]]
     expected += [(1, op) for op in kda + ["moe"]]
@@ -567,9 +567,9 @@ def test_run_launches_the_plan_on_static_buffers(batch):
     assert kda_slots[0] is kda_slots[1] and kda_slots[1] is not kda_slots[2]
     impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
     assert [c[0] for c in impl.calls] == ["cache_update", "forward_mqa"]
-    # The MLA layer: qkv_a, kv_a norm, W_UK and W_UV absorptions, o_proj, MoE.
-    mla_kinds = kinds[kinds.index("grouped_gemm") - 2 : kinds.index("grouped_gemm") + 4]
-    assert mla_kinds == ["gemm", "rms_norm", "grouped_gemm", "grouped_gemm", "gemm", "moe"]
+    # The MLA layer: qkv_a, W_UK (chained to qkv_a), kv_a norm, W_UV, o_proj, MoE.
+    mla_kinds = kinds[kinds.index("grouped_gemm") - 1 : kinds.index("grouped_gemm") + 5]
+    assert mla_kinds == ["gemm", "grouped_gemm", "rms_norm", "grouped_gemm", "gemm", "moe"]
     assert impl.calls[0][2] is fc.slot_mapping["model.layers.3.self_attn.attn"]
 
 

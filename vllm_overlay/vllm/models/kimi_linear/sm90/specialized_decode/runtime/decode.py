@@ -808,6 +808,14 @@ class KimiLinearDecodeExecutor:
         w_uk = self._kernel(i, "mla_w_uk", lambda: kernels.grouped_gemm(mla.w_uk))
         w_uv = self._kernel(i, "mla_w_uv", lambda: kernels.grouped_gemm(mla.w_uv))
 
+        def w_uk_launch(ctx: StepContext) -> None:
+            # Absorb W_UK into the query first: per head [B, P] x [P, L] -> [B, L].
+            # Chained right after the projection (PDL), its weights stream while
+            # the projection drains; the stock kernels after it do not overlap.
+            b = ctx.batch
+            q = bufs.rows("mla_proj", b, width)[:, :q_width].view(b, n, nope + rope)
+            w_uk.run(q[..., :nope], bufs.rows("mla_ql_nope", b, n * lora))
+
         def kv_norm_launch(ctx: StepContext) -> None:
             b = ctx.batch
             p = bufs.rows("mla_proj", b, width)
@@ -825,10 +833,9 @@ class KimiLinearDecodeExecutor:
             ql_nope = bufs.rows("mla_ql_nope", b, n * lora)
             up = bufs.rows("attn_out", b, n * v_head)
             if ctx.forward_context is None:
-                # Warmup: the stock MLA decode needs real metadata; the two
-                # absorptions run on the scratch rows (the attention output has
-                # ql_nope's [B, N, L] strides), so they compile before capture.
-                w_uk.run(q[..., :nope], ql_nope)
+                # Warmup: the stock MLA decode needs real metadata; W_UV runs on
+                # the scratch rows (the attention output has ql_nope's [B, N, L]
+                # strides), so it compiles before capture.
                 w_uv.run(ql_nope.view(b, n, lora), up)
                 return
             k_pe = p[:, q_width + lora :].unsqueeze(1)
@@ -851,22 +858,21 @@ class KimiLinearDecodeExecutor:
                 kv_c, k_pe, kv_cache, _layer_slot_mapping(fc, mla.name),
                 attn.kv_cache_dtype, attn._k_scale,
             )  # fmt: skip
-            # 2. absorb W_UK into the query: per head [B, P] x [P, L] -> [B, L].
-            w_uk.run(q[..., :nope], ql_nope)
-            # 3. vLLM's FlashAttention-3 MLA decode over the paged latent cache.
+            # 2. vLLM's FlashAttention-3 MLA decode over the paged latent cache.
             out, _ = attn.impl.forward_mqa(
                 (ql_nope.view(b, n, lora), q[..., nope:]), kv_cache, metadata, attn
             )
-            # 4. W_UV: per head [B, L] x [L, V] -> [B, V], stored as [B, N*V]; it
+            # 3. W_UV: per head [B, L] x [L, V] -> [B, V], stored as [B, N*V]; it
             # lets o_proj (PDL) start streaming its weights while it runs.
             w_uv.run(out.view(b, n, lora), up)
 
+        self._step(i, "mla_w_uk", ("mla_proj",), ("mla_ql_nope",), w_uk_launch)
         self._step(i, "mla_kv_a_norm", ("mla_proj",), ("mla_kv_c",), kv_norm_launch)
         self._step(
             i,
             "mla_decode",
-            ("mla_proj", "mla_kv_c"),
-            ("mla_ql_nope", "attn_out"),
+            ("mla_proj", "mla_kv_c", "mla_ql_nope"),
+            ("attn_out",),
             core_launch,
         )
 
