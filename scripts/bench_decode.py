@@ -250,12 +250,21 @@ def summarize(config: dict, results: dict, experts: dict[int, float]) -> dict:
         }
         for n in ns
     }
+    busy = {b: results[b].get("gpu_busy_us", {}) for b in BACKENDS}
+    traced = sorted(set(busy["auto"]) & set(busy["latency_specialized"]), key=int)
     return {
         "step_ms": step,
         "speedup": {k: v["stock"] / v["specialized"] for k, v in step.items()},
         "floor_ms": {str(n): floor_ms(config, n, experts[n]) for n in ns},
         "distinct_experts": {str(n): experts[n] for n in ns},
         "prefill_throughput_ratio": special["prefill_tokens_per_s"] / stock["prefill_tokens_per_s"],
+        "gpu_busy_ms": {
+            n: {
+                "stock": busy["auto"][n] / 1e3,
+                "specialized": busy["latency_specialized"][n] / 1e3,
+            }
+            for n in traced
+        },
     }
 
 
@@ -268,6 +277,7 @@ def write_markdown(data: dict, path: Path) -> None:
         "",
         f"Method: {data['method']}",
         "",
+        *([f"Note: {data['notes']}.", ""] if data.get("notes") else []),
         "| N | stock ms | specialized ms | speedup | floor ms | specialized / floor | "
         "distinct experts |",
         "|---|---|---|---|---|---|---|",
@@ -284,9 +294,35 @@ def write_markdown(data: dict, path: Path) -> None:
         f"Prefill throughput, specialized / stock: {s['prefill_throughput_ratio']:.3f}.",
         "",
     ]
+    lines += _busy_lines(s)
     for backend, table in (data.get("profile_n1") or {}).items():
         lines += _profile_lines(backend, table)
     path.write_text("\n".join(lines))
+
+
+def _busy_lines(summary: dict) -> list[str]:
+    busy = summary.get("gpu_busy_ms") or {}
+    if not busy:
+        return []
+    lines = [
+        "## How much of a step the GPU works",
+        "",
+        f"GPU busy time per step in a kernel-only torch trace of {PROFILE_TOKENS} tokens "
+        "(one of the steps is the prefill), against the step time of the table above, "
+        "measured without the profiler: the profiler slows the host, not the GPU, so the "
+        "difference is the time the GPU waits for the host each step.",
+        "",
+        "| N | stock step ms | stock GPU busy ms | specialized step ms | specialized GPU "
+        "busy ms | specialized: GPU waits, ms per step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n, b in busy.items():
+        step = summary["step_ms"][n]
+        lines.append(
+            f"| {n} | {step['stock']:.3f} | {b['stock']:.3f} | {step['specialized']:.3f} | "
+            f"{b['specialized']:.3f} | {max(0.0, step['specialized'] - b['specialized']):.3f} |"
+        )
+    return [*lines, ""]
 
 
 def _profile_lines(backend: str, table: dict | None) -> list[str]:
@@ -486,6 +522,9 @@ def run_backend(
                 await engine.stop_profile()
                 trace = wait_for_trace(trace_dir)
                 table = read_trace(trace, PROFILE_TOKENS)
+                # The profiler slows the host, not the GPU: busy time per step against
+                # the unprofiled step time says how long the GPU waits for the host.
+                result.setdefault("gpu_busy_us", {})[str(n)] = table["busy_us_per_step"]
                 if n == 1:
                     result["profile_n1"] = table
                 keep_trace(trace, keep_traces, f"trace-{backend}-n{n}.json.gz")

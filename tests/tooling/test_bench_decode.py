@@ -77,6 +77,22 @@ def test_summary_has_what_the_upstream_pr_export_reads():
     assert summary["prefill_throughput_ratio"] == pytest.approx(0.99)
 
 
+def test_summary_and_report_show_how_long_the_gpu_waits_at_the_traced_sizes(tmp_path):
+    results = _results()
+    results["auto"]["gpu_busy_us"] = {"1": 3500.0, "2": 4100.0}
+    results["latency_specialized"]["gpu_busy_us"] = {"1": 1500.0}  # N = 2 trace failed
+    summary = bench.summarize(CONFIG, results, {1: 8.0, 8: 42.5})
+    assert summary["gpu_busy_ms"] == {"1": {"stock": 3.5, "specialized": 1.5}}
+    data = _report()
+    data["summary"] = summary
+    out = tmp_path / "decode.md"
+    bench.write_markdown(data, out)
+    assert "| 1 | 3.600 | 3.500 | 1.800 | 1.500 | 0.300 |" in out.read_text()
+    # Results without traces (older runs) give no table.
+    assert bench.summarize(CONFIG, _results(), {1: 8.0, 8: 42.5})["gpu_busy_ms"] == {}
+    assert bench._busy_lines({"step_ms": {}}) == []
+
+
 def _report(**extra) -> dict:
     return {
         "summary": bench.summarize(CONFIG, _results(), {1: 8.0, 8: 42.5}),
