@@ -73,6 +73,23 @@ PROFILE_TOKENS = 64
 # N of the traced requests: the kernel table is of N = 1; the N = 2 trace is only kept
 # (--keep-traces) to compare the host side of the two (N = 1 trailed N = 2 on 2026-12-01).
 PROFILE_NS = (1, 2)
+# Last in each engine (the timers stay installed): one batch of the timed shape per N
+# with profile_host_loop.py's perf_counter wrappers on the engine core's phases, so the
+# host's time per step by phase comes from the benchmark's own host and engine.
+HOST_PHASE_NS = (1, 2)
+# The phases decode.md shows (all are in decode.json), in the order of a step.
+HOST_PHASE_ROWS = (
+    "runner.execute_model",
+    "runner._update_states",
+    "runner._prepare_inputs",
+    "runner._build_attention_metadata",
+    "CUDAGraphWrapper.__call__",
+    "model.compute_logits",
+    "runner.sample_tokens",
+    "scheduler.schedule",
+    "scheduler.update_from_output",
+    "AsyncGPUModelRunnerOutput.get_output",
+)
 # Idle stretches of the GPU in the profile shorter than this are launch gaps inside a step;
 # the longest boundaries (kernel before, kernel after) are listed.
 IDLE_GAP_MIN_US = 5.0
@@ -295,6 +312,7 @@ def write_markdown(data: dict, path: Path) -> None:
         "",
     ]
     lines += _busy_lines(s)
+    lines += _host_phase_lines(data.get("host_phases") or {})
     for backend, table in (data.get("profile_n1") or {}).items():
         lines += _profile_lines(backend, table)
     path.write_text("\n".join(lines))
@@ -322,6 +340,43 @@ def _busy_lines(summary: dict) -> list[str]:
             f"| {n} | {step['stock']:.3f} | {b['stock']:.3f} | {step['specialized']:.3f} | "
             f"{b['specialized']:.3f} | {max(0.0, step['specialized'] - b['specialized']):.3f} |"
         )
+    return [*lines, ""]
+
+
+def _host_phase_lines(phases: dict) -> list[str]:
+    """The host's time per decode step by phase, both engines side by side."""
+    columns = [
+        (b, n)
+        for n in map(str, HOST_PHASE_NS)
+        for b in BACKENDS
+        if isinstance(phases.get(b), dict) and n in phases[b].get("per_n", {})
+    ]
+    errors = [f"{b}: {p['error']}" for b, p in phases.items() if p and "error" in p]
+    if not columns:
+        return ["## Host time per decode step", "", *[f"Not measured: {e}" for e in errors],
+                ""] if errors else []  # fmt: skip
+    short = {"auto": "stock", "latency_specialized": "specialized"}
+    lines = [
+        "## Host time per decode step",
+        "",
+        "After the timed runs and the profile, one more batch of the timed shape per N "
+        "with perf_counter timers on the engine core's and the model runner's phases "
+        "(`scripts/profile_host_loop.py`'s): µs per decode step. A phase's calls may "
+        "nest in another's (`runner.execute_model` holds the runner phases above "
+        "`compute_logits`).",
+        "",
+        "| phase | " + " | ".join(f"{short[b]}, N = {n}" for b, n in columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    per = [phases[b]["per_n"][n] for b, n in columns]
+    lines.append("| inter-token latency, ms | " + " | ".join(
+        f"{p['itl_ms']:.3f}" for p in per) + " |")  # fmt: skip
+    for key in HOST_PHASE_ROWS:
+        cells = [p["phases"].get(key, {}).get("us_per_step") for p in per]
+        if any(c is not None for c in cells):
+            lines.append(f"| `{key}` | " + " | ".join(
+                "-" if c is None else f"{c:.0f}" for c in cells) + " |")  # fmt: skip
+    lines += [f"Not measured: {e}" for e in errors]
     return [*lines, ""]
 
 
@@ -459,6 +514,9 @@ def run_backend(
     import asyncio
     import time
 
+    # collective_rpc with functions (the host-phase timers) needs vLLM's pickle-based
+    # serialization; it changes nothing for the request and output messages.
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm.config import ProfilerConfig
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -532,6 +590,11 @@ def run_backend(
                 if n == 1:
                     result["profile_n1"] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"{backend}: profile at N={n} failed: {exc}", flush=True)
+        try:
+            result["host_phases"] = await host_phases(engine, batch)
+        except Exception as exc:  # noqa: BLE001
+            result["host_phases"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"{backend}: host phases failed: {exc}", flush=True)
         return result
 
     try:
@@ -539,6 +602,30 @@ def run_backend(
     finally:
         engine.shutdown()
         shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+async def host_phases(engine, batch) -> dict:
+    """Per N in HOST_PHASE_NS, one batch of the timed shape with perf_counter timers on
+    the engine core's and the model runner's phases (``profile_host_loop.install_timers``):
+    its inter-token latency and microseconds per decode step by phase."""
+    import cloudpickle
+
+    import profile_host_loop as loop
+
+    # The engine-core process cannot import scripts/: send the functions by value.
+    cloudpickle.register_pickle_by_value(loop)
+    out = {"missing": (await engine.collective_rpc(loop.install_timers))[0], "per_n": {}}
+    for n in HOST_PHASE_NS:
+        await batch(f"hostwarm{n}", n, PROMPT_TOKENS, 16)
+        await engine.collective_rpc(loop.take_timers)
+        chunks = await batch(f"host{n}", n, PROMPT_TOKENS, OUTPUT_TOKENS)
+        samples = (await engine.collective_rpc(loop.take_timers))[0]
+        itl = statistics.median(s for ch in chunks for s in itl_samples(ch)) * 1e3
+        out["per_n"][str(n)] = {
+            "itl_ms": itl,
+            "phases": loop.phase_table(samples, OUTPUT_TOKENS),
+        }
+    return out
 
 
 def wait_for_trace(trace_dir: Path) -> Path:
@@ -825,6 +912,7 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         "summary": summarize(config, results, experts),
         "runs": results,
         "profile_n1": {b: results[b].pop("profile_n1", None) for b in BACKENDS},
+        "host_phases": {b: results[b].pop("host_phases", None) for b in BACKENDS},
         "method": (
             f"median inter-token latency (prefill excluded) of N requests in flight, "
             f"{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, ignore_eos, "

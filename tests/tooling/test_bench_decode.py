@@ -93,6 +93,43 @@ def test_summary_and_report_show_how_long_the_gpu_waits_at_the_traced_sizes(tmp_
     assert bench._busy_lines({"step_ms": {}}) == []
 
 
+def _phases(itl, execute, prepare):
+    return {
+        "missing": [],
+        "per_n": {
+            "1": {
+                "itl_ms": itl,
+                "phases": {
+                    "runner.execute_model": {"us_per_step": execute},
+                    "runner._prepare_inputs": {"us_per_step": prepare},
+                },
+            }
+        },
+    }
+
+
+def test_report_shows_the_host_phases_of_both_engines(tmp_path):
+    data = _report()
+    data["host_phases"] = {
+        "auto": _phases(3.6, 1500.0, 650.0),
+        "latency_specialized": _phases(1.8, 1400.0, 640.0),
+    }
+    out = tmp_path / "decode.md"
+    bench.write_markdown(data, out)
+    text = out.read_text()
+    assert "| phase | stock, N = 1 | specialized, N = 1 |" in text
+    assert "| inter-token latency, ms | 3.600 | 1.800 |" in text
+    assert "| `runner.execute_model` | 1500 | 1400 |" in text
+    assert "| `runner._prepare_inputs` | 650 | 640 |" in text
+    # A failed measurement is reported, not fatal; none at all gives no section.
+    data["host_phases"] = {"auto": {"error": "RuntimeError: rpc"}, "latency_specialized": None}
+    bench.write_markdown(data, out)
+    assert "Not measured: auto: RuntimeError: rpc" in out.read_text()
+    data["host_phases"] = {}
+    bench.write_markdown(data, out)
+    assert "Host time per decode step" not in out.read_text()
+
+
 def _report(**extra) -> dict:
     return {
         "summary": bench.summarize(CONFIG, _results(), {1: 8.0, 8: 42.5}),
@@ -261,6 +298,7 @@ def test_assemble_takes_the_facts_from_the_hosts_the_roles_ran_on():
     )
     assert data["summary"]["speedup"]["1"] == pytest.approx(2.0)
     assert "host" not in data["runs"]["auto"]
+    assert data["host_phases"] == {"auto": None, "latency_specialized": None}
 
 
 @pytest.mark.parametrize("key", ["gpu", "vllm", "fingerprint"])
