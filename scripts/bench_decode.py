@@ -267,21 +267,23 @@ def summarize(config: dict, results: dict, experts: dict[int, float]) -> dict:
         }
         for n in ns
     }
-    busy = {b: results[b].get("gpu_busy_us", {}) for b in BACKENDS}
-    traced = sorted(set(busy["auto"]) & set(busy["latency_specialized"]), key=int)
     return {
         "step_ms": step,
         "speedup": {k: v["stock"] / v["specialized"] for k, v in step.items()},
         "floor_ms": {str(n): floor_ms(config, n, experts[n]) for n in ns},
         "distinct_experts": {str(n): experts[n] for n in ns},
         "prefill_throughput_ratio": special["prefill_tokens_per_s"] / stock["prefill_tokens_per_s"],
-        "gpu_busy_ms": {
-            n: {
-                "stock": busy["auto"][n] / 1e3,
-                "specialized": busy["latency_specialized"][n] / 1e3,
-            }
-            for n in traced
-        },
+    }
+
+
+def gpu_busy_ms(results: dict) -> dict:
+    """GPU busy ms per step of both engines at the N both traced (beside the summary,
+    whose N-keyed entries `make upstream-pr` turns into columns of every N)."""
+    busy = {b: results[b].get("gpu_busy_us", {}) for b in BACKENDS}
+    traced = sorted(set(busy["auto"]) & set(busy["latency_specialized"]), key=int)
+    return {
+        n: {"stock": busy["auto"][n] / 1e3, "specialized": busy["latency_specialized"][n] / 1e3}
+        for n in traced
     }
 
 
@@ -311,15 +313,14 @@ def write_markdown(data: dict, path: Path) -> None:
         f"Prefill throughput, specialized / stock: {s['prefill_throughput_ratio']:.3f}.",
         "",
     ]
-    lines += _busy_lines(s)
+    lines += _busy_lines(s, data.get("gpu_busy_ms") or {})
     lines += _host_phase_lines(data.get("host_phases") or {})
     for backend, table in (data.get("profile_n1") or {}).items():
         lines += _profile_lines(backend, table)
     path.write_text("\n".join(lines))
 
 
-def _busy_lines(summary: dict) -> list[str]:
-    busy = summary.get("gpu_busy_ms") or {}
+def _busy_lines(summary: dict, busy: dict) -> list[str]:
     if not busy:
         return []
     lines = [
@@ -910,6 +911,7 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
     first = hosts[BACKENDS[0]]
     return {
         "summary": summarize(config, results, experts),
+        "gpu_busy_ms": gpu_busy_ms(results),
         "runs": results,
         "profile_n1": {b: results[b].pop("profile_n1", None) for b in BACKENDS},
         "host_phases": {b: results[b].pop("host_phases", None) for b in BACKENDS},

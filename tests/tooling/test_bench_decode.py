@@ -77,20 +77,42 @@ def test_summary_has_what_the_upstream_pr_export_reads():
     assert summary["prefill_throughput_ratio"] == pytest.approx(0.99)
 
 
-def test_summary_and_report_show_how_long_the_gpu_waits_at_the_traced_sizes(tmp_path):
+def test_report_shows_how_long_the_gpu_waits_at_the_traced_sizes(tmp_path):
     results = _results()
     results["auto"]["gpu_busy_us"] = {"1": 3500.0, "2": 4100.0}
     results["latency_specialized"]["gpu_busy_us"] = {"1": 1500.0}  # N = 2 trace failed
-    summary = bench.summarize(CONFIG, results, {1: 8.0, 8: 42.5})
-    assert summary["gpu_busy_ms"] == {"1": {"stock": 3.5, "specialized": 1.5}}
+    busy = bench.gpu_busy_ms(results)
+    assert busy == {"1": {"stock": 3.5, "specialized": 1.5}}
     data = _report()
-    data["summary"] = summary
+    data["gpu_busy_ms"] = busy
     out = tmp_path / "decode.md"
     bench.write_markdown(data, out)
     assert "| 1 | 3.600 | 3.500 | 1.800 | 1.500 | 0.300 |" in out.read_text()
-    # Results without traces (older runs) give no table.
-    assert bench.summarize(CONFIG, _results(), {1: 8.0, 8: 42.5})["gpu_busy_ms"] == {}
-    assert bench._busy_lines({"step_ms": {}}) == []
+    # Results without traces (older runs) give no table; the summary keeps its keys.
+    assert bench.gpu_busy_ms(_results()) == {}
+    assert bench._busy_lines(data["summary"], {}) == []
+    assert "gpu_busy_ms" not in bench.summarize(CONFIG, results, {1: 8.0, 8: 42.5})
+
+
+def test_summary_keeps_the_shape_the_upstream_pr_export_reads():
+    """`make upstream-pr` turns every N-keyed object of the summary into a column and
+    takes numbers only (nested objects only for step_ms): what the benchmark adds beside
+    the issue's fields must stay out of the summary (2026-12-01: gpu_busy_ms inside it
+    broke the export)."""
+    results = _results()
+    for b in results:
+        results[b]["gpu_busy_us"] = {"1": 1000.0}
+    got = {b: dict(r, runs=1, host=_host()) for b, r in results.items()}
+    got["experts"] = {"distinct": {"1": 8.0, "8": 8.0}, "host": _host()}
+    summary = bench.assemble(CONFIG, got, "m")["summary"]
+    for key, value in summary.items():
+        if not isinstance(value, dict):
+            assert isinstance(value, float), key
+            continue
+        for n, cell in value.items():
+            assert n.isdigit(), (key, n)
+            numbers = cell.values() if key == "step_ms" else [cell]
+            assert all(isinstance(x, (int, float)) for x in numbers), (key, n, cell)
 
 
 def _phases(itl, execute, prepare):
@@ -299,6 +321,7 @@ def test_assemble_takes_the_facts_from_the_hosts_the_roles_ran_on():
     assert data["summary"]["speedup"]["1"] == pytest.approx(2.0)
     assert "host" not in data["runs"]["auto"]
     assert data["host_phases"] == {"auto": None, "latency_specialized": None}
+    assert data["gpu_busy_ms"] == {}
 
 
 @pytest.mark.parametrize("key", ["gpu", "vllm", "fingerprint"])
