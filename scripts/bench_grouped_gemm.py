@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import bench_gemm  # noqa: E402
 from kernels.gemm.prepared import PreparedGroupedGemm  # noqa: E402
 
 HBM_TBPS = 4.25
@@ -39,27 +39,8 @@ WEIGHT_BYTES = HEADS * LORA * NOPE * 2  # per absorption (W_UK and W_UV alike)
 
 
 def _time_graph(fns, replays=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns[:4]:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    return statistics.median(times)
+    """µs per launch of ``fns`` captured in one graph (bench_gemm's method, median)."""
+    return bench_gemm._time_graph(fns, replays)[0]
 
 
 def _measure(m, layers, rnd):
