@@ -73,6 +73,16 @@ NORM_COUNTERS = BARRIER_EPOCH + 1
 SUMSQ_BUFFERS = 2
 # Pause between two polls of the epoch word, in ns.
 BARRIER_POLL_NS = 32
+# A waiting tile gives up after this many polls (~50 us; a normal wait is a few
+# us): it marks the barrier abandoned and exits, and the last arrival then
+# normalises every row as the last-tile scheme does.  So a grid that cannot be
+# resident at once (an MPS client limited to part of the SMs, a green context)
+# is slower, never hung.
+BARRIER_MAX_POLLS = 64
+# The epoch word: the epoch in the low bits (wrapping), plus this bit while a
+# waiting tile has abandoned the barrier of the current launch.
+BARRIER_ABANDONED = 1 << 30
+BARRIER_EPOCH_MASK = BARRIER_ABANDONED - 1
 
 EPILOGUE_PLAIN = "plain"
 EPILOGUE_SILU_MUL = "silu_mul"
@@ -121,6 +131,7 @@ class SkinnyGemmKernel:
         use_pdl: bool = True,
         row_groups: RowGroups | None = None,
         norm_by_every_tile: bool = False,
+        barrier_max_polls: int = BARRIER_MAX_POLLS,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -167,6 +178,7 @@ class SkinnyGemmKernel:
         self.norm_by_every_tile = (
             norm_by_every_tile and epilogue == EPILOGUE_RESIDUAL_RMSNORM
         )
+        self.barrier_max_polls = barrier_max_polls
         if row_groups is not None:
             g = row_groups
             if epilogue != EPILOGUE_PLAIN:
@@ -348,14 +360,16 @@ class SkinnyGemmKernel:
                     counter_ptr, sumsq_ptr, flag,
                 )  # fmt: skip
 
-        if const_expr(
-            self.epilogue == EPILOGUE_RESIDUAL_RMSNORM and not self.norm_by_every_tile
-        ):
+        if const_expr(self.epilogue == EPILOGUE_RESIDUAL_RMSNORM):
+            # The last tile normalises every row: always in the last-tile
+            # scheme, after an abandoned barrier in the other (which has
+            # re-armed the ticket and the sums already).
             cute.arch.sync_threads()
             if flag[0] == 1:
                 self._normalize_rows(
                     tidx, m, residual_out_ptr, gamma_ptr, out_ptr, counter_ptr,
                     sumsq_ptr, epoch_in[0] % SUMSQ_BUFFERS, rstd,
+                    not self.norm_by_every_tile,
                 )  # fmt: skip
 
     @cute.jit
@@ -536,7 +550,7 @@ class SkinnyGemmKernel:
         if const_expr(self.norm_by_every_tile):
             self._barrier_and_normalize(
                 hidden, ticket, epoch, buffer, tile, lane, quad_row, quad_lane, m,
-                out_ptr, gamma_rows, counters, sumsq,
+                out_ptr, gamma_rows, counters, sumsq, flag,
             )  # fmt: skip
         else:
             # The last tile of the grid normalises every row.  Nested rather
@@ -549,10 +563,14 @@ class SkinnyGemmKernel:
     @cute.jit
     def _barrier_and_normalize(
         self, hidden, ticket, epoch, buffer, tile, lane, quad_row, quad_lane, m,
-        out_ptr, gamma_rows, counters, sumsq,
+        out_ptr, gamma_rows, counters, sumsq, flag,
     ):  # fmt: skip
-        n = self.n
         epoch_word = counters.iterator + self.num_tiles + BARRIER_EPOCH
+        opened = (epoch + 1) & BARRIER_EPOCH_MASK
+        abandoned = epoch | BARRIER_ABANDONED
+        # What this tile found the barrier in: opened (normalise its rows) or
+        # abandoned (the last arrival normalises every row).
+        state = opened
         if ticket == self.num_tiles - 1:
             # Last arrival: re-arm the ticket and the next launch's sums,
             # then open the barrier.
@@ -563,16 +581,46 @@ class SkinnyGemmKernel:
             cute.arch.fence_acq_rel_gpu()
             cute.arch.sync_warp()
             if lane == 0:
-                cute.arch.atomic_exch(epoch_word, epoch + 1, sem="release", scope="gpu")
+                before = cute.arch.atomic_exch(
+                    epoch_word, opened, sem="acq_rel", scope="gpu"
+                )
+                if before == abandoned:
+                    flag[0] = Int32(1)
         else:
-            # Every tile of the grid is resident (PreparedGemm checks the
-            # grid fits), so the last arrival comes.
             if lane == 0:
                 seen = epoch
-                while seen == epoch:
+                polls = Int32(0)
+                waiting = Int32(1)
+                while waiting == 1:
                     nvvm.nanosleep(Int32(BARRIER_POLL_NS).ir_value())
                     seen = cute.arch.load(epoch_word, Int32, sem="acquire", scope="gpu")
-            cute.arch.sync_warp()
+                    polls = polls + 1
+                    # One condition per select: run-time `and` does not lower.
+                    limit = self.barrier_max_polls
+                    in_time = Int32(cutlass.select_(polls < limit, 1, 0))
+                    waiting = Int32(cutlass.select_(seen == epoch, in_time, Int32(0)))
+                if seen == epoch:
+                    # Give up, unless the barrier opened meanwhile.
+                    seen = cute.arch.atomic_cas(
+                        epoch_word, cmp=epoch, val=abandoned, sem="acq_rel",
+                        scope="gpu",
+                    )  # fmt: skip
+                    if seen == epoch:
+                        seen = abandoned
+                state = seen
+            state = cute.arch.shuffle_sync(state, 0)
+        if state == opened:
+            self._normalize_own_rows(
+                hidden, buffer, tile, lane, quad_row, quad_lane, m, out_ptr,
+                gamma_rows, sumsq,
+            )  # fmt: skip
+
+    @cute.jit
+    def _normalize_own_rows(
+        self, hidden, buffer, tile, lane, quad_row, quad_lane, m, out_ptr,
+        gamma_rows, sumsq,
+    ):  # fmt: skip
+        n = self.n
         cute.arch.fence_acq_rel_gpu()
         # Lane t < M holds token t's 1/rms; every lane gathers its tokens'.
         inv_rms = Float32(0.0)
@@ -600,7 +648,7 @@ class SkinnyGemmKernel:
     @cute.jit
     def _normalize_rows(
         self, tidx, m, residual_out_ptr, gamma_ptr, out_ptr, counter_ptr, sumsq_ptr,
-        buffer, rstd,
+        buffer, rstd, rearm: cutlass.Constexpr,
     ):  # fmt: skip
         n = self.n
         row_chunks = n // CHUNK
@@ -618,9 +666,11 @@ class SkinnyGemmKernel:
                 sumsq.iterator + buffer * MAX_TOKENS + tidx, Float32(0.0), scope="gpu"
             )
             rstd[tidx] = cute.math.rsqrt(total_sq / Float32(n) + Float32(self.eps))
-            sumsq[buffer, tidx] = Float32(0.0)
-        if tidx == 0:
-            counters[self.num_tiles + GRID_TICKET] = Int32(0)
+            if const_expr(rearm):
+                sumsq[buffer, tidx] = Float32(0.0)
+        if const_expr(rearm):  # noqa: SIM102 (const_expr and a run-time test)
+            if tidx == 0:
+                counters[self.num_tiles + GRID_TICKET] = Int32(0)
         cute.arch.sync_threads()
         chunk_layout = cute.make_layout(
             (MAX_TOKENS, row_chunks, CHUNK), stride=(n, CHUNK, 1)

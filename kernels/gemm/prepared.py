@@ -24,6 +24,7 @@ import torch
 
 from ..common.host import gmem_ptr
 from .kernel import (
+    BARRIER_MAX_POLLS,
     CHUNK,
     EPILOGUE_PLAIN,
     EPILOGUE_RESIDUAL_RMSNORM,
@@ -63,8 +64,9 @@ MIN_STEPS_PER_WARP = 3
 # CTAs of at most 8 warps always fit two per SM (255 registers x 256 threads
 # fill the register file once; the shared memory is a few KiB), so a grid of
 # at most this many 16-row tiles per SM can hold one waiting CTA per tile
-# while the others still get scheduled: the RMSNorm grid barrier cannot
-# deadlock.
+# while the others still get scheduled: the RMSNorm grid barrier's wait is
+# short.  Where fewer SMs are usable than the device has (MPS, green
+# contexts), the waiting tiles time out instead (kernel.BARRIER_MAX_POLLS).
 BARRIER_MAX_TILES_PER_SM = 2
 BARRIER_MAX_WARPS = 8
 # From this many tokens on the barrier beats the last tile's whole-row pass
@@ -190,6 +192,7 @@ class PreparedGemm:
         eps: float = 1e-5,
         config: dict[int, GemmConfig] | None = None,
         use_pdl: bool = True,
+        barrier_max_polls: int = BARRIER_MAX_POLLS,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -208,6 +211,8 @@ class PreparedGemm:
             raise ValueError(f"K={k} must be a multiple of {CHUNK} (16-byte rows)")
         self.epilogue, self.k, self.eps = epilogue, k, eps
         self.use_pdl = use_pdl
+        # Tests pass 0 to take the RMSNorm barrier's time-out path.
+        self.barrier_max_polls = barrier_max_polls
         # Bytes this binding holds beyond the caller's weight: the packed copy
         # for silu_mul (extra_bytes) and the split-K/RMSNorm workspace.
         self.device = weight.device
@@ -291,7 +296,7 @@ class PreparedGemm:
         c = self.configs[bucket]
         return (
             self.n_packed, self.k, self.out_features, bucket, self.epilogue, c,
-            self.eps, self.use_pdl, barrier,
+            self.eps, self.use_pdl, barrier, self.barrier_max_polls,
         )  # fmt: skip
 
     def compile(self, buckets=(TOKENS_PER_MMA, MAX_TOKENS)) -> dict[int, float]:
@@ -313,6 +318,7 @@ class PreparedGemm:
                 c.warps_k, c.split_k, c.unroll, self.eps,
                 out_cols=self.out_features, use_pdl=self.use_pdl,
                 norm_by_every_tile=barrier,
+                barrier_max_polls=self.barrier_max_polls,
             )  # fmt: skip
             bf16 = _ptr(self.weight, cutlass.BFloat16)
             w, g, p, cnt, sq = self._static_ptrs

@@ -287,6 +287,57 @@ def test_residual_rmsnorm_chained_launches_in_a_graph(name):
             _close(outs[i], ref, what + " normed")
 
 
+def test_rmsnorm_barrier_time_out_falls_back_to_the_last_tile_pass():
+    """With no polls allowed the waiting tiles abandon the barrier at once and the
+    last tile normalises every row (what a grid that cannot be resident at once,
+    e.g. an MPS client on part of the SMs, does instead of hanging): results equal
+    the reference, eager and chained in a graph, and the workspace re-arms."""
+    w = _weight("kda_o_proj")
+    n, k = w.shape
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    gamma = _gamma(n, gen)
+    prepared = PreparedGemm(
+        w, "residual_rmsnorm", rmsnorm_weight=gamma, eps=EPS, barrier_max_polls=0
+    )
+    assert prepared.norm_by_every_tile(4)
+    launches = (4, 16, 1, 8, 5)
+    for m in launches:
+        x, out, residual, _ = _inputs("residual_rmsnorm", m, n, k, gen)
+        ref, ref_hidden = _reference("residual_rmsnorm", x, w, residual, gamma)
+        residual_out = torch.full_like(residual, float("nan"))
+        prepared.run(x, out, residual=residual, residual_out=residual_out)
+        torch.cuda.synchronize()
+        _close(residual_out, ref_hidden, f"time-out residual_out M={m}")
+        _close(out, ref, f"time-out normed M={m}")
+    counters = prepared.counters.clone()
+    epoch_index = counters.numel() - NORM_COUNTERS + BARRIER_EPOCH
+    epoch = int(counters[epoch_index])
+    counters[epoch_index] = 0
+    assert int(counters.abs().sum()) == 0
+    # The abandoned flag is cleared when the last tile opens the barrier.
+    assert epoch == sum(prepared.norm_by_every_tile(m) for m in launches)
+    assert float(prepared.sumsq.view(2, 16)[epoch % 2].abs().sum()) == 0.0
+
+    m = 8
+    xs = [torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(8)]
+    res = [torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(8)]
+    outs = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+    res_outs = [torch.empty_like(r) for r in res]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in zip(xs, outs, res, res_outs):
+            prepared.run(*args)
+    for replay in range(2):
+        for t in outs + res_outs:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in range(8):
+            ref, ref_hidden = _reference("residual_rmsnorm", xs[i], w, res[i], gamma)
+            _close(res_outs[i], ref_hidden, f"time-out graph {replay}/{i} residual_out")
+            _close(outs[i], ref, f"time-out graph {replay}/{i} normed")
+
+
 @pytest.mark.parametrize("use_pdl", [True, False], ids=["pdl", "no_pdl"])
 def test_graph_capture_and_replay(use_pdl):
     """Three launches captured once, replayed with fresh inputs each time."""

@@ -18,6 +18,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (CuTe DSL) is not inst
 import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
+from ptx_dump import compiled_ptx  # noqa: E402
 
 from kernels.gemm.kernel import RowGroups, SkinnyGemmKernel  # noqa: E402
 
@@ -37,6 +38,23 @@ VARIANTS = [
     (2016, 2312, 8, "silu_mul", 4, 2, 8, 1004, False),  # ragged K, padded I
     (1000, 2328, 16, "plain", 2, 1, 6, None, False),  # ragged N and K
 ]
+
+
+def _barrier_kernel(polls: int):
+    return SkinnyGemmKernel(
+        2304, 4096, 8, "residual_rmsnorm", 4, 4, 8,
+        norm_by_every_tile=True, barrier_max_polls=polls,
+    )  # fmt: skip
+
+
+def test_barrier_polls_with_a_pause_and_times_out_with_one_cas(tmp_path):
+    """The waiting tiles poll the epoch word with acquire loads and a pause, give
+    up with one compare-and-swap, and the last arrival opens it with an exchange
+    whose old value tells it whether to normalise every row."""
+    ptx = compiled_ptx(tmp_path, "test_gemm_compile", "_compile(t._barrier_kernel(5))")
+    assert "nanosleep.u32" in ptx and "ld.acquire.gpu" in ptx
+    assert ptx.count("atom.global.acq_rel.cas.b32") == 1
+    assert ptx.count("atom.global.acq_rel.exch.b32") == 1
 
 
 def _variant_id(v):
