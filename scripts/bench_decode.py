@@ -85,6 +85,7 @@ HOST_PHASE_ROWS = (
     "runner._build_attention_metadata",
     "CUDAGraphWrapper.__call__",
     "model.compute_logits",
+    "runner._logits_computed_by_model",
     "runner.sample_tokens",
     "scheduler.schedule",
     "scheduler.update_from_output",

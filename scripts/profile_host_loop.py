@@ -66,6 +66,8 @@ RUNNER_PHASES = (
     "_preprocess",
     "_sample",
     "_bookkeeping_sync",
+    # the series' hook for logits a model's graph computed (a patched V1 runner)
+    "_logits_computed_by_model",
     # the V2 runner (vllm/v1/worker/gpu/model_runner.py)
     "add_requests",
     "update_requests",

@@ -182,6 +182,8 @@ def stand_in_model(moe_backend: str = "TRITON") -> nn.Module:
     inner.norm = rms_norm(HIDDEN)
     model = nn.Module()
     model.model = inner
+    model.lm_head = linear(VOCAB, HIDDEN)
+    model.compute_logits = lambda hidden: hidden @ model.lm_head.weight.t()
     return model
 
 
@@ -659,3 +661,55 @@ def test_a_runner_that_built_gdn_metadata_is_named_in_the_error():
     # The dispatch test raises too, rather than letting the stock forward run.
     with pytest.raises(RuntimeError, match="needs the common attention metadata"):
         executor.step_applies(fc, capturing=True)
+
+
+# --------------------------------------------------------------- logits in the graph
+def capture(monkeypatch: pytest.MonkeyPatch, fc: Any) -> None:
+    """Make maybe_run see ``fc`` as the forward context of a graph capture."""
+    import vllm.forward_context as vllm_forward_context
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(vllm_forward_context, "get_forward_context", lambda: fc)
+    monkeypatch.setattr(vllm_forward_context, "is_forward_context_available", lambda: True)
+
+
+def test_a_captured_step_leaves_its_logits_for_the_runner(monkeypatch):
+    model, executor, _ = build()
+    allocate_caches(model)
+    executor.bind_kv_caches()
+    served = BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True)
+    assert executor.logits_computed_in_graph(CUDAGraphMode.FULL, served, 3) is None
+    capture(monkeypatch, forward_context(model, 4))
+    hidden = executor.maybe_run(torch.arange(4), torch.arange(4))
+    logits = executor.logits_computed_in_graph(CUDAGraphMode.FULL, served, 3)
+    assert torch.equal(logits, model.compute_logits(hidden)[:3])
+    for mode, descriptor, rows in [
+        (CUDAGraphMode.PIECEWISE, served, 3),
+        (CUDAGraphMode.FULL, BatchDescriptor(num_tokens=2, num_reqs=2, uniform=True), 2),
+        (CUDAGraphMode.FULL, served, 5),
+    ]:
+        assert executor.logits_computed_in_graph(mode, descriptor, rows) is None
+
+
+def test_a_stock_capture_of_a_served_size_drops_its_logits(monkeypatch):
+    model, executor, _ = build()
+    allocate_caches(model)
+    executor.bind_kv_caches()
+    served = BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True)
+    fc = forward_context(model, 4)
+    capture(monkeypatch, fc)
+    executor.maybe_run(torch.arange(4), torch.arange(4))
+    fc.attn_metadata["model.layers.1.self_attn"].max_query_len = 2  # not a decode step
+    assert executor.maybe_run(torch.arange(4), torch.arange(4)) is None
+    assert executor.logits_computed_in_graph(CUDAGraphMode.FULL, served, 4) is None
+
+
+def test_new_kv_caches_drop_the_logits_of_earlier_captures(monkeypatch):
+    model, executor, _ = build()
+    allocate_caches(model)
+    executor.bind_kv_caches()
+    served = BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True)
+    capture(monkeypatch, forward_context(model, 4))
+    executor.maybe_run(torch.arange(4), torch.arange(4))
+    executor.bind_kv_caches()
+    assert executor.logits_computed_in_graph(CUDAGraphMode.FULL, served, 4) is None

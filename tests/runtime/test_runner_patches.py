@@ -5,6 +5,9 @@
   runner nulls padded rows past the active ones on the GPU between commits).
 - v1-runner-skip-the-metadata-builds-of-layers-the-mod: GPUModelRunner asks the model which
   layers it builds itself; models without the hook build everything.
+- v1-runner-take-a-step-s-logits-from-the-model-when-i: for steps whose requests have one
+  token each GPUModelRunner asks the model for the logits its graph computed; any other step,
+  and models without the hook, get compute_logits.
 
 The "GPU" side of a BlockTable is a second CPU tensor here (device "cpu"), so a copy is seen
 as the GPU rows becoming the CPU rows.
@@ -134,3 +137,52 @@ def test_a_model_without_the_hook_gets_every_build() -> None:
         runner_with(object()), CUDAGraphMode.FULL, None
     )
     assert built == frozenset()
+
+
+# ------------------------------------------------------------- the graph-logits hook
+class LogitsModel:
+    def __init__(self, logits: Any) -> None:
+        self.logits, self.asked = logits, []
+
+    def logits_computed_in_graph(self, mode: Any, descriptor: Any, num_logits: int) -> Any:
+        self.asked.append((mode, descriptor, num_logits))
+        return self.logits
+
+
+def test_a_decode_step_takes_the_logits_the_models_graph_computed() -> None:
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import BatchDescriptor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    logits = torch.zeros(3, 11)
+    model = LogitsModel(logits)
+    descriptor = BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True)
+    step = SimpleNamespace(total_num_scheduled_tokens=3)
+    got = GPUModelRunner._logits_computed_by_model(
+        runner_with(model), step, CUDAGraphMode.FULL, descriptor, 3
+    )
+    assert got is logits
+    assert model.asked == [(CUDAGraphMode.FULL, descriptor, 3)]
+
+
+def test_steps_with_more_tokens_than_requests_compute_their_logits() -> None:
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    model = LogitsModel(torch.zeros(2, 11))
+    step = SimpleNamespace(total_num_scheduled_tokens=5)  # a prefill among them
+    got = GPUModelRunner._logits_computed_by_model(
+        runner_with(model), step, CUDAGraphMode.FULL, None, 2
+    )
+    assert got is None and model.asked == []
+
+
+def test_a_model_without_the_logits_hook_computes_them() -> None:
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    step = SimpleNamespace(total_num_scheduled_tokens=2)
+    got = GPUModelRunner._logits_computed_by_model(
+        runner_with(object()), step, CUDAGraphMode.FULL, None, 2
+    )
+    assert got is None

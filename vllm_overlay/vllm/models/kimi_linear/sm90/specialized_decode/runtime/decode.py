@@ -549,6 +549,14 @@ class KimiLinearDecodeExecutor:
         self.embed, self.first_norm, self.layers, extra = read_model_weights(
             model, share_storage
         )
+        # The model's own logits (lm_head + LogitsProcessor), captured into each
+        # decode graph after the final norm: the runner takes them from
+        # logits_computed_in_graph instead of running compute_logits, with its
+        # host work, after every replay.
+        self._compute_logits = _require(
+            model, "compute_logits", "KimiLinearForCausalLM"
+        )
+        self._graph_logits: dict[int, torch.Tensor] = {}
         if not self.layers:
             raise ValueError("KimiLinearForCausalLM has no layers")
         self.device = self.embed.device
@@ -952,6 +960,8 @@ class KimiLinearDecodeExecutor:
         bound += [i for i, ok in mla_bound.items() if ok]
         self._kda_kernels = {}
         self._bound = False
+        # Graphs captured on the previous caches are captured again.
+        self._graph_logits = {}
         if not bound:
             return False
         if len(bound) != len(states) + len(mla_bound):
@@ -1122,8 +1132,38 @@ class KimiLinearDecodeExecutor:
             return None
         forward_context = get_forward_context()
         if not self.step_applies(forward_context, intermediate_tensors, inputs_embeds):
+            if (
+                self.serves(
+                    forward_context.cudagraph_runtime_mode,
+                    forward_context.batch_descriptor,
+                )
+                and torch.cuda.is_current_stream_capturing()
+            ):
+                # This size's decode graph is the stock forward: so are its
+                # logits, which compute_logits then makes.
+                self._graph_logits.pop(
+                    forward_context.batch_descriptor.num_tokens, None
+                )
             return None
-        return self.run(input_ids, positions, forward_context)
+        hidden_states = self.run(input_ids, positions, forward_context)
+        # Captured with the step; every replay rewrites them.
+        self._graph_logits[int(input_ids.shape[0])] = self._compute_logits(
+            hidden_states
+        )
+        return hidden_states
+
+    def logits_computed_in_graph(
+        self, cudagraph_mode: Any, descriptor: Any, num_logits: int
+    ) -> torch.Tensor | None:
+        """Asked by the runner after the forward of a step whose requests have
+        one scheduled token each (logits rows 0..num_logits-1): the logits the
+        replayed decode graph computed, or None (compute_logits runs)."""
+        if not self.serves(cudagraph_mode, descriptor):
+            return None
+        logits = self._graph_logits.get(descriptor.num_tokens)
+        if logits is None or num_logits > logits.shape[0]:
+            return None
+        return logits[:num_logits]
 
 
 # ------------------------------------------------------------- vLLM plumbing
@@ -1236,6 +1276,15 @@ class SpecializedDecodeModule(HpcModule):
             return ()
         return self.executor.attention_layers_built_by_model(
             cudagraph_mode, batch_descriptor
+        )
+
+    def logits_computed_in_graph(
+        self, cudagraph_mode: Any, batch_descriptor: Any, num_logits: int
+    ) -> torch.Tensor | None:
+        if self.executor is None:
+            return None
+        return self.executor.logits_computed_in_graph(
+            cudagraph_mode, batch_descriptor, num_logits
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> None:
