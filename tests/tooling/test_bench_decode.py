@@ -94,6 +94,24 @@ def test_report_shows_how_long_the_gpu_waits_at_the_traced_sizes(tmp_path):
     assert "gpu_busy_ms" not in bench.summarize(CONFIG, results, {1: 8.0, 8: 42.5})
 
 
+def test_report_compares_the_prefill_gpu_time_of_both_engines(tmp_path):
+    results = _results()
+    results["auto"]["prefill_gpu_busy_ms"] = 500.0
+    results["latency_specialized"]["prefill_gpu_busy_ms"] = 505.0
+    busy = bench.prefill_gpu_busy_ms(results)
+    assert busy == pytest.approx({"stock": 500.0, "specialized": 505.0, "ratio": 1.01})
+    data = _report()
+    data["prefill_gpu_busy_ms"] = busy
+    out = tmp_path / "decode.md"
+    bench.write_markdown(data, out)
+    assert "stock 500.00 ms, specialized 505.00 ms (specialized / stock 1.010)" in (out.read_text())
+    # Either engine without the trace (older results, a failed profile): no line.
+    del results["auto"]["prefill_gpu_busy_ms"]
+    assert bench.prefill_gpu_busy_ms(results) == {}
+    bench.write_markdown(_report(), out)
+    assert "Prefill GPU time" not in out.read_text()
+
+
 def test_summary_keeps_the_shape_the_upstream_pr_export_reads():
     """`make upstream-pr` turns every N-keyed object of the summary into a column and
     takes numbers only (nested objects only for step_ms): what the benchmark adds beside
@@ -322,6 +340,7 @@ def test_assemble_takes_the_facts_from_the_hosts_the_roles_ran_on():
     assert "host" not in data["runs"]["auto"]
     assert data["host_phases"] == {"auto": None, "latency_specialized": None}
     assert data["gpu_busy_ms"] == {}
+    assert data["prefill_gpu_busy_ms"] == {}
 
 
 @pytest.mark.parametrize("key", ["gpu", "vllm", "fingerprint"])
