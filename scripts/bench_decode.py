@@ -334,8 +334,9 @@ def write_markdown(data: dict, path: Path) -> None:
         ]
     lines += _busy_lines(s, data.get("gpu_busy_ms") or {})
     lines += _host_phase_lines(data.get("host_phases") or {})
-    for backend, table in (data.get("profile_n1") or {}).items():
-        lines += _profile_lines(backend, table)
+    for n in PROFILE_NS:
+        for backend, table in (data.get(f"profile_n{n}") or {}).items():
+            lines += _profile_lines(backend, table, n)
     path.write_text("\n".join(lines))
 
 
@@ -400,16 +401,17 @@ def _host_phase_lines(phases: dict) -> list[str]:
     return [*lines, ""]
 
 
-def _profile_lines(backend: str, table: dict | None) -> list[str]:
+def _profile_lines(backend: str, table: dict | None, n: int = 1) -> list[str]:
     if not table:
         return []
-    title = f"## GPU kernels per step at N = 1, `{backend}` (torch profiler)"
+    title = f"## GPU kernels per step at N = {n}, `{backend}` (torch profiler)"
     if "error" in table:
         return [title, "", f"Not traced: {table['error']}", ""]
     lines = [
         title,
         "",
-        f"{table['steps']} steps of one request (its prefill is one of them): "
+        f"{table['steps']} steps of {n} request{'s' if n > 1 else ''} (their prefill is "
+        "one of them): "
         f"{table['gpu_us_per_step']:.0f} us of kernel spans and "
         f"{table['launches_per_step']:.0f} kernel launches per step. A kernel launched "
         "with programmatic dependent launch starts while its predecessor runs and waits "
@@ -617,12 +619,10 @@ def run_backend(
                 # The profiler slows the host, not the GPU: busy time per step against
                 # the unprofiled step time says how long the GPU waits for the host.
                 result.setdefault("gpu_busy_us", {})[str(n)] = table["busy_us_per_step"]
-                if n == 1:
-                    result["profile_n1"] = table
+                result[f"profile_n{n}"] = table
                 keep_trace(trace, keep_traces, f"trace-{backend}-n{n}.json.gz")
             except Exception as exc:  # noqa: BLE001
-                if n == 1:
-                    result["profile_n1"] = {"error": f"{type(exc).__name__}: {exc}"}
+                result[f"profile_n{n}"] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"{backend}: profile at N={n} failed: {exc}", flush=True)
         try:
             result["host_phases"] = await host_phases(engine, batch)
@@ -947,7 +947,10 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         "gpu_busy_ms": gpu_busy_ms(results),
         "prefill_gpu_busy_ms": prefill_gpu_busy_ms(results),
         "runs": results,
-        "profile_n1": {b: results[b].pop("profile_n1", None) for b in BACKENDS},
+        **{
+            f"profile_n{n}": {b: results[b].pop(f"profile_n{n}", None) for b in BACKENDS}
+            for n in PROFILE_NS
+        },
         "host_phases": {b: results[b].pop("host_phases", None) for b in BACKENDS},
         "method": (
             f"median inter-token latency (prefill excluded) of N requests in flight, "

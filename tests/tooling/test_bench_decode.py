@@ -297,6 +297,12 @@ def test_markdown_lists_the_profile_or_why_it_is_missing(tmp_path):
     assert "| `a\\|b` | 3.0 | 3.0 | 0.3 |" in text
     assert "GPU idle between the first and the last kernel: 0 us per step" in text
     assert "Not traced: RuntimeError: no trace" in text
+    assert "## GPU kernels per step at N = 1, `auto`" in text
+    # The N = 2 table too, when the run traced it.
+    data["profile_n2"] = {"latency_specialized": data["profile_n1"]["auto"]}
+    bench.write_markdown(data, out)
+    assert "## GPU kernels per step at N = 2, `latency_specialized`" in out.read_text()
+    assert "steps of 2 requests" in out.read_text()
 
 
 def test_worker_env_shares_one_triton_cache_only_when_asked(tmp_path):
