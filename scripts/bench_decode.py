@@ -70,8 +70,8 @@ EXPERT_COUNT_STEPS = 64
 # Decode steps of one request traced with the torch profiler after the timed runs
 # (GPU time per kernel name, CUDA-graph replays included): where a step's time goes.
 PROFILE_TOKENS = 64
-# N of the traced requests: the kernel table is of N = 1; the N = 2 trace is only kept
-# (--keep-traces) to compare the host side of the two (N = 1 trailed N = 2 on 2026-12-01).
+# N of the traced requests: a kernel table and the GPU busy time per N in decode.md, the
+# traces kept with --keep-traces for the host side.
 PROFILE_NS = (1, 2)
 # Last in each engine (the timers stay installed): one batch of the timed shape per N
 # with profile_host_loop.py's perf_counter wrappers on the engine core's phases, so the
@@ -558,6 +558,13 @@ def run_backend(
     async def batch(tag: str, n: int, prompt_len: int, max_tokens: int) -> list:
         return await stream_batch(engine, tag, n, prompt_len, max_tokens)
 
+    async def traced_batch(tag: str, n: int, prompt_len: int, max_tokens: int) -> Path:
+        """One batch under the kernel-only profiler; the trace it wrote."""
+        await engine.start_profile()
+        await batch(tag, n, prompt_len, max_tokens)
+        await engine.stop_profile()
+        return wait_for_trace(trace_dir)
+
     async def main() -> dict:
         result = {"step_ms": {}, "step_ms_runs": {}, "runs": runs}
         # One untimed request of the timed length first: on 2026-12-01 (hd.2) the first
@@ -600,10 +607,7 @@ def run_backend(
         # the frontend included) spread by more than issue 6's 2% band (2026-12-01:
         # 3% and 15% across 5 batches).
         try:
-            await engine.start_profile()
-            await batch("prefill-profile", PREFILL_REQUESTS, PREFILL_TOKENS, 1)
-            await engine.stop_profile()
-            trace = wait_for_trace(trace_dir)
+            trace = await traced_batch("prefill-profile", PREFILL_REQUESTS, PREFILL_TOKENS, 1)
             result["prefill_gpu_busy_ms"] = read_trace(trace, 1)["busy_us_per_step"] / 1e3
             trace.unlink()
         except Exception as exc:  # noqa: BLE001
@@ -611,10 +615,7 @@ def run_backend(
         # Kept apart from the timed numbers: a failed trace is reported, not fatal.
         for n in PROFILE_NS:
             try:
-                await engine.start_profile()
-                await batch(f"profile{n}", n, PROMPT_TOKENS, PROFILE_TOKENS)
-                await engine.stop_profile()
-                trace = wait_for_trace(trace_dir)
+                trace = await traced_batch(f"profile{n}", n, PROMPT_TOKENS, PROFILE_TOKENS)
                 table = read_trace(trace, PROFILE_TOKENS)
                 # The profiler slows the host, not the GPU: busy time per step against
                 # the unprofiled step time says how long the GPU waits for the host.

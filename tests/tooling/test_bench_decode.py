@@ -85,9 +85,7 @@ def test_report_shows_how_long_the_gpu_waits_at_the_traced_sizes(tmp_path):
     assert busy == {"1": {"stock": 3.5, "specialized": 1.5}}
     data = _report()
     data["gpu_busy_ms"] = busy
-    out = tmp_path / "decode.md"
-    bench.write_markdown(data, out)
-    assert "| 1 | 3.600 | 3.500 | 1.800 | 1.500 | 0.300 |" in out.read_text()
+    assert "| 1 | 3.600 | 3.500 | 1.800 | 1.500 | 0.300 |" in _markdown(data, tmp_path)
     # Results without traces (older runs) give no table; the summary keeps its keys.
     assert bench.gpu_busy_ms(_results()) == {}
     assert bench._busy_lines(data["summary"], {}) == []
@@ -102,14 +100,12 @@ def test_report_compares_the_prefill_gpu_time_of_both_engines(tmp_path):
     assert busy == pytest.approx({"stock": 500.0, "specialized": 505.0, "ratio": 1.01})
     data = _report()
     data["prefill_gpu_busy_ms"] = busy
-    out = tmp_path / "decode.md"
-    bench.write_markdown(data, out)
-    assert "stock 500.00 ms, specialized 505.00 ms (specialized / stock 1.010)" in (out.read_text())
+    text = _markdown(data, tmp_path)
+    assert "stock 500.00 ms, specialized 505.00 ms (specialized / stock 1.010)" in text
     # Either engine without the trace (older results, a failed profile): no line.
     del results["auto"]["prefill_gpu_busy_ms"]
     assert bench.prefill_gpu_busy_ms(results) == {}
-    bench.write_markdown(_report(), out)
-    assert "Prefill GPU time" not in out.read_text()
+    assert "Prefill GPU time" not in _markdown(_report(), tmp_path)
 
 
 def test_summary_keeps_the_shape_the_upstream_pr_export_reads():
@@ -154,20 +150,16 @@ def test_report_shows_the_host_phases_of_both_engines(tmp_path):
         "auto": _phases(3.6, 1500.0, 650.0),
         "latency_specialized": _phases(1.8, 1400.0, 640.0),
     }
-    out = tmp_path / "decode.md"
-    bench.write_markdown(data, out)
-    text = out.read_text()
+    text = _markdown(data, tmp_path)
     assert "| phase | stock, N = 1 | specialized, N = 1 |" in text
     assert "| inter-token latency, ms | 3.600 | 1.800 |" in text
     assert "| `runner.execute_model` | 1500 | 1400 |" in text
     assert "| `runner._prepare_inputs` | 650 | 640 |" in text
     # A failed measurement is reported, not fatal; none at all gives no section.
     data["host_phases"] = {"auto": {"error": "RuntimeError: rpc"}, "latency_specialized": None}
-    bench.write_markdown(data, out)
-    assert "Not measured: auto: RuntimeError: rpc" in out.read_text()
+    assert "Not measured: auto: RuntimeError: rpc" in _markdown(data, tmp_path)
     data["host_phases"] = {}
-    bench.write_markdown(data, out)
-    assert "Host time per decode step" not in out.read_text()
+    assert "Host time per decode step" not in _markdown(data, tmp_path)
 
 
 def _report(**extra) -> dict:
@@ -182,11 +174,15 @@ def _report(**extra) -> dict:
     }
 
 
-def test_markdown_has_one_row_per_n(tmp_path):
-    data = _report()
+def _markdown(data: dict, tmp_path: Path) -> str:
+    """decode.md as write_markdown renders ``data``."""
     out = tmp_path / "decode.md"
     bench.write_markdown(data, out)
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    return out.read_text()
+
+
+def test_markdown_has_one_row_per_n(tmp_path):
+    rows = [line for line in _markdown(_report(), tmp_path).splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "8"]
     assert "| 1 | 3.600 | 1.800 | 2.00x |" in rows[1]
 
@@ -291,18 +287,16 @@ def test_markdown_lists_the_profile_or_why_it_is_missing(tmp_path):
             "latency_specialized": {"error": "RuntimeError: no trace"},
         },
     )
-    out = tmp_path / "decode.md"
-    bench.write_markdown(data, out)
-    text = out.read_text()
+    text = _markdown(data, tmp_path)
     assert "| `a\\|b` | 3.0 | 3.0 | 0.3 |" in text
     assert "GPU idle between the first and the last kernel: 0 us per step" in text
     assert "Not traced: RuntimeError: no trace" in text
     assert "## GPU kernels per step at N = 1, `auto`" in text
     # The N = 2 table too, when the run traced it.
     data["profile_n2"] = {"latency_specialized": data["profile_n1"]["auto"]}
-    bench.write_markdown(data, out)
-    assert "## GPU kernels per step at N = 2, `latency_specialized`" in out.read_text()
-    assert "steps of 2 requests" in out.read_text()
+    text = _markdown(data, tmp_path)
+    assert "## GPU kernels per step at N = 2, `latency_specialized`" in text
+    assert "steps of 2 requests" in text
 
 
 def test_worker_env_shares_one_triton_cache_only_when_asked(tmp_path):
