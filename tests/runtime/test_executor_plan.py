@@ -241,6 +241,14 @@ class FakeMoe(Recorder):
         super().run(x, out, residual=residual, residual_out=residual_out)
 
 
+class FakeMlaCacheRow(Recorder):
+    def run(self, kv, slots):
+        width = self.bound["kv_cache"].shape[-1]
+        assert kv.shape[1] == width and kv.stride(1) == 1
+        assert slots.dtype == torch.int64 and slots.shape[0] >= kv.shape[0]
+        super().run(kv, slots)
+
+
 class FakeKernels(decode.KernelFactory):
     def __init__(self) -> None:
         self.log: list = []
@@ -270,6 +278,12 @@ class FakeKernels(decode.KernelFactory):
 
     def moe(self, **kwargs):
         kernel = FakeMoe(self.log, "moe", **kwargs)
+        self.built.append(kernel)
+        return kernel
+
+    def mla_cache_row(self, norm_weight, eps, kv_cache, rope):
+        assert kv_cache.shape[-1] == norm_weight.shape[0] + rope
+        kernel = FakeMlaCacheRow(self.log, "mla_cache_row", kv_cache=kv_cache, eps=eps)
         self.built.append(kernel)
         return kernel
 
@@ -467,13 +481,19 @@ def test_bind_reads_every_kda_state_and_an_empty_cache_unbinds():
         assert kernel.bound["conv_state"] is conv
         assert kernel.bound["recurrent_state"] is recurrent
     # Profiling cache freed: no reference may survive in the executor.
+    mla_cache = model.model.layers[3].self_attn.mla_attn.mla_attn.kv_cache
+    assert kernels.built[-1].kind == "mla_cache_row"
+    assert kernels.built[-1].bound["kv_cache"] is mla_cache
     free_caches(model)
     assert not executor.bind_kv_caches() and not executor.is_bound
-    assert executor._kda_kernels == {}
+    assert executor._kda_kernels == {} and executor._mla_cache_kernels == {}
     # The real cache: bound again, to the new tensors.
     allocate_caches(model, slots=9)
     assert executor.bind_kv_caches()
-    assert kernels.built[-1].bound["recurrent_state"].shape[0] == 9
+    kda = [k for k in kernels.built if k.kind == "kda"]
+    assert kda[-1].bound["recurrent_state"].shape[0] == 9
+    new_cache = model.model.layers[3].self_attn.mla_attn.mla_attn.kv_cache
+    assert kernels.built[-1].bound["kv_cache"] is new_cache
 
 
 def test_partially_allocated_caches_are_refused():
@@ -494,7 +514,7 @@ def test_plan_is_the_op_sequence_of_each_layer_kind():
     _, executor, _ = build()
     ops = [(s.layer, s.op) for s in executor.plan]
     kda = ["kda_in_proj", "kda_step", "o_proj"]
-    mla = ["mla_qkv_a", "mla_w_uk", "mla_kv_a_norm", "mla_decode", "o_proj"]
+    mla = ["mla_qkv_a", "mla_w_uk", "mla_cache_row", "mla_decode", "o_proj"]
     expected = [(-1, "kda_state_slots"), (-1, "embedding"), (-1, "input_norm")]
     expected += [(0, op) for op in kda + ["mlp_gate_up", "mlp_down"]]
     expected += [(1, op) for op in kda + ["moe"]]
@@ -558,7 +578,7 @@ def test_run_launches_the_plan_on_static_buffers(batch):
     # embedding, first norm; 3 KDA layers' in_proj + o_proj, layer 0's MLP, the MLA
     # layer's qkv_a + o_proj; 3 KDA steps; kv_a norm; 3 MoE.
     assert kinds.count("embedding") == 1 and kinds.count("kda") == 3
-    assert kinds.count("moe") == 3 and kinds.count("rms_norm") == 2
+    assert kinds.count("moe") == 3 and kinds.count("rms_norm") == 1
     assert kinds.count("gemm") == 3 * 2 + 2 + 2
     # Each group's slots are gathered once into a static row the group's layers share.
     kda_slots = [entry[2][6] for entry in kernels.log if entry[0] == "kda"]
@@ -568,11 +588,15 @@ def test_run_launches_the_plan_on_static_buffers(batch):
         assert slots.is_contiguous()
     assert kda_slots[0] is kda_slots[1] and kda_slots[1] is not kda_slots[2]
     impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
-    assert [c[0] for c in impl.calls] == ["cache_update", "forward_mqa"]
+    assert [c[0] for c in impl.calls] == ["forward_mqa"]
     # The MLA layer: qkv_a, W_UK (chained to qkv_a), kv_a norm, W_UV, o_proj, MoE.
     mla_kinds = kinds[kinds.index("grouped_gemm") - 1 : kinds.index("grouped_gemm") + 5]
-    assert mla_kinds == ["gemm", "grouped_gemm", "rms_norm", "grouped_gemm", "gemm", "moe"]
-    assert impl.calls[0][2] is fc.slot_mapping["model.layers.3.self_attn.attn"]
+    assert mla_kinds == ["gemm", "grouped_gemm", "mla_cache_row", "grouped_gemm", "gemm", "moe"]
+    # The new latent row: the kv_a columns of the projection, the layer's slot mapping.
+    (cache_row,) = [e for e in kernels.log if e[0] == "mla_cache_row"]
+    kv, slots = cache_row[2]
+    assert kv.shape == (batch, LORA + ROPE)
+    assert slots is fc.slot_mapping["model.layers.3.self_attn.attn"]
 
 
 def test_run_refuses_unprepared_sizes_and_unbound_caches():
@@ -602,6 +626,10 @@ def test_warmup_launches_every_kernel_on_padding_rows_only():
     assert all(int(s.abs().sum()) == 0 for s in kda_slots)
     impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
     assert impl.calls == []  # the stock MLA decode needs real metadata
+    # The cache row compiles on padding slots: it writes nothing.
+    cache_rows = [e[2][1] for e in kernels.log if e[0] == "mla_cache_row"]
+    assert len(cache_rows) == len(executor.batch_sizes)
+    assert all(bool((slots == -1).all()) for slots in cache_rows)
 
 
 # ----------------------------------------------------------------------- dispatch

@@ -127,6 +127,13 @@ class KernelFactory:
 
         return PreparedMoe(**kwargs)
 
+    def mla_cache_row(
+        self, norm_weight: torch.Tensor, eps: float, kv_cache: torch.Tensor, rope: int
+    ) -> Any:
+        from ..cutedsl.mla.prepared import PreparedMlaCacheRow
+
+        return PreparedMlaCacheRow(norm_weight, eps, kv_cache, rope=rope)
+
     def rms_norm(
         self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> None:
@@ -569,6 +576,11 @@ class KimiLinearDecodeExecutor:
         self._padding_slots = torch.zeros(
             self.max_tokens, dtype=torch.int32, device=self.device
         )
+        # The MLA cache slots of a warmup launch: every row padding.
+        self._no_cache_slots = torch.full(
+            (self.max_tokens,), -1, dtype=torch.int64, device=self.device
+        )
+        self._mla_cache_kernels: dict[int, Any] = {}
         # One row per KDA KV-cache group (at most one per KDA layer): the state
         # slots of the step's rows, gathered from the group's block table.
         self._kda_slot_rows = torch.zeros(
@@ -807,12 +819,11 @@ class KimiLinearDecodeExecutor:
                 f"{q_width} + {lora} + {rope}"
             )
         bufs.add("attn_out", n * v_head)
-        bufs.add("mla_kv_c", lora)
         bufs.add("mla_ql_nope", n * lora)
         self._plan_gemm(
             i, "mla_qkv_a", mla.qkv_a.weight, x, self.hidden, "mla_proj", width
         )
-        kernels, attn, norm = self.kernels, mla.attn, mla.kv_a_norm
+        kernels, attn = self.kernels, mla.attn
         w_uk = self._kernel(i, "mla_w_uk", lambda: kernels.grouped_gemm(mla.w_uk))
         w_uv = self._kernel(i, "mla_w_uv", lambda: kernels.grouped_gemm(mla.w_uv))
 
@@ -824,15 +835,18 @@ class KimiLinearDecodeExecutor:
             q = bufs.rows("mla_proj", b, width)[:, :q_width].view(b, n, nope + rope)
             w_uk.run(q[..., :nope], bufs.rows("mla_ql_nope", b, n * lora))
 
-        def kv_norm_launch(ctx: StepContext) -> None:
+        def cache_row_launch(ctx: StepContext) -> None:
+            # The request's new latent row, [rmsnorm(kv_c) * w | k_pe], written
+            # straight into the paged cache (one PDL launch for vLLM's RMSNorm
+            # and concat_and_cache_mla; slot -1 = padding).
             b = ctx.batch
             p = bufs.rows("mla_proj", b, width)
-            kernels.rms_norm(
-                bufs.rows("mla_kv_c", b, lora),
-                p[:, q_width : q_width + lora],
-                norm.weight,
-                norm.eps,
+            slots = (
+                self._no_cache_slots
+                if ctx.forward_context is None
+                else _layer_slot_mapping(ctx.forward_context, mla.name)
             )
+            self._mla_cache_kernels[i].run(p[:, q_width:], slots)
 
         def core_launch(ctx: StepContext) -> None:
             b = ctx.batch
@@ -846,8 +860,6 @@ class KimiLinearDecodeExecutor:
                 # strides), so it compiles before capture.
                 w_uv.run(ql_nope.view(b, n, lora), up)
                 return
-            k_pe = p[:, q_width + lora :].unsqueeze(1)
-            kv_c = bufs.rows("mla_kv_c", b, lora)
             kv_cache = attn.kv_cache
             if kv_cache.numel() == 0:
                 raise RuntimeError(
@@ -861,27 +873,19 @@ class KimiLinearDecodeExecutor:
                     f"{mla.name}: not a pure decode batch (prefills "
                     f"{metadata.num_prefills})"
                 )
-            # 1. the new latent row (concat_and_cache_mla; slot -1 = padding).
-            attn.impl.do_kv_cache_update(
-                kv_c, k_pe, kv_cache, _layer_slot_mapping(fc, mla.name),
-                attn.kv_cache_dtype, attn._k_scale,
-            )  # fmt: skip
-            # 2. vLLM's FlashAttention-3 MLA decode over the paged latent cache.
+            # vLLM's FlashAttention-3 MLA decode over the paged latent cache
+            # (the step's own row written by mla_cache_row).
             out, _ = attn.impl.forward_mqa(
                 (ql_nope.view(b, n, lora), q[..., nope:]), kv_cache, metadata, attn
             )
-            # 3. W_UV: per head [B, L] x [L, V] -> [B, V], stored as [B, N*V]; it
+            # W_UV: per head [B, L] x [L, V] -> [B, V], stored as [B, N*V]; it
             # lets o_proj (PDL) start streaming its weights while it runs.
             w_uv.run(out.view(b, n, lora), up)
 
         self._step(i, "mla_w_uk", ("mla_proj",), ("mla_ql_nope",), w_uk_launch)
-        self._step(i, "mla_kv_a_norm", ("mla_proj",), ("mla_kv_c",), kv_norm_launch)
+        self._step(i, "mla_cache_row", ("mla_proj",), (), cache_row_launch)
         self._step(
-            i,
-            "mla_decode",
-            ("mla_proj", "mla_kv_c", "mla_ql_nope"),
-            ("attn_out",),
-            core_launch,
+            i, "mla_decode", ("mla_proj", "mla_ql_nope"), ("attn_out",), core_launch
         )
 
     def _plan_dense(
@@ -959,6 +963,7 @@ class KimiLinearDecodeExecutor:
         bound = [i for i, s in states.items() if s is not None]
         bound += [i for i, ok in mla_bound.items() if ok]
         self._kda_kernels = {}
+        self._mla_cache_kernels = {}
         self._bound = False
         # Graphs captured on the previous caches are captured again.
         self._graph_logits = {}
@@ -987,6 +992,9 @@ class KimiLinearDecodeExecutor:
             )
         for mla in self._mla_layers():
             _check_mla_cache(mla)
+            self._mla_cache_kernels[mla.index] = self.kernels.mla_cache_row(
+                mla.kv_a_norm.weight, mla.kv_a_norm.eps, mla.attn.kv_cache, mla.qk_rope
+            )
         self._bound = True
         return True
 
