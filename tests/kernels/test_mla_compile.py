@@ -66,3 +66,83 @@ def test_rejects_shapes_the_loads_cannot_cover():
         MlaCacheRowKernel(500, 64, 1e-6, 6720, 16, 16 * 564, 564)
     with pytest.raises(ValueError, match="16-byte rows"):
         MlaCacheRowKernel(512, 64, 1e-6, 6721, 16, 16 * 576, 576)
+
+
+# ---- decode attention (split pass + merge)
+
+HEADS, SCALE, Q_NOPE_STRIDE, Q_PE_HEAD_STRIDE = 32, 192**-0.5, 32 * 512, 192
+
+
+def _attention(batch=4, block_size=64, use_pdl=True, heads=HEADS):
+    from kernels.mla.kernel import MlaDecodeAttentionKernel
+
+    width = LORA + ROPE
+    return MlaDecodeAttentionKernel(
+        heads, LORA, ROPE, SCALE, batch, Q_NOPE_STRIDE, PROJ_STRIDE, Q_PE_HEAD_STRIDE,
+        block_size, block_size * width, width, 2048, use_pdl,
+    )  # fmt: skip
+
+
+def _compile_attention(kern):
+    bf16, f32 = _ptr(cutlass.BFloat16), _ptr(cutlass.Float32)
+    i32 = _ptr(cutlass.Int32, 4)
+    return cute.compile(kern, bf16, bf16, bf16, i32, i32, f32, f32, cuda.CUstream(0))
+
+
+def _compile_merge(batch=4, use_pdl=True):
+    from kernels.mla.kernel import MlaAttentionMergeKernel
+
+    f32 = _ptr(cutlass.Float32)
+    kern = MlaAttentionMergeKernel(HEADS, LORA, batch, Q_NOPE_STRIDE, use_pdl)
+    return cute.compile(
+        kern, f32, f32, _ptr(cutlass.Int32, 4), _ptr(cutlass.BFloat16), cuda.CUstream(0)
+    )
+
+
+@pytest.mark.parametrize("batch,block_size", [(1, 16), (3, 64), (16, 64)])
+@pytest.mark.parametrize("use_pdl", [True, False])
+def test_attention_compiles_for_sm90a(batch, block_size, use_pdl):
+    assert _compile_attention(_attention(batch, block_size, use_pdl)) is not None
+    assert _compile_merge(batch, use_pdl) is not None
+
+
+def test_attention_reads_older_rows_before_the_wait_and_the_query_after_it(tmp_path):
+    """Before griddepcontrol.wait: the sequence length, the block table and the
+    cp.async of the first tile's older rows; after it: the query and the newest row
+    (the cache-row kernel chained just before writes it). Two CTAs per SM."""
+    ptx = compiled_ptx(tmp_path, "test_mla_compile", "_compile_attention(t._attention())")
+    # Two waits: an idle split's (it exits after it) and the working path's.
+    assert ptx.count("griddepcontrol.wait") == 2
+    wait = ptx.rindex("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") < wait
+    before, after = ptx[:wait], ptx[wait:]
+    assert before.count("ld.global") >= 2  # seq_len, block table entries
+    assert "cp.async" in before
+    assert after.count("cp.async.ca.shared.global") > before.count("cp.async.ca.shared.global")
+    assert ".minnctapersm 2" in ptx
+    # Loop bodies (kept dynamic for the register budget): Q K^T 4 MMAs (two chunk
+    # steps of 2), P V 16 (2 column groups x 4 MMAs x 2 head tiles).
+    assert ptx.count("mma.sync.aligned.m16n8k16") == 4 + 16
+
+
+def test_merge_reads_partials_only_after_the_wait(tmp_path):
+    ptx = compiled_ptx(tmp_path, "test_mla_compile", "_compile_merge()")
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = ptx[:wait], ptx[wait:]
+    assert before.count("ld.global") == 1  # the sequence length
+    assert "cp.async" not in before
+    # The partial rows: one batch of 32 splits in flight at once (cp.async).
+    assert after.count("cp.async.ca.shared.global") == 32
+
+
+def test_attention_rejects_shapes_it_was_not_built_for():
+    from kernels.mla.kernel import MlaAttentionMergeKernel, splits_for
+
+    with pytest.raises(ValueError, match="built for 32 heads"):
+        _attention(heads=16)
+    with pytest.raises(ValueError, match="outside 1..16"):
+        _attention(batch=17)
+    with pytest.raises(ValueError, match="outside 1..16"):
+        MlaAttentionMergeKernel(HEADS, LORA, 0, Q_NOPE_STRIDE)
+    # Two CTAs per SM of an H200 at most, and never more than 64 splits a row.
+    assert [splits_for(b) for b in (1, 4, 8, 16)] == [64, 64, 33, 16]
