@@ -97,20 +97,19 @@ def kda_attention(prefix: str) -> nn.Module:
     return attn
 
 
+# The softmax scale vLLM's MLA backend impl holds (qk_head_dim^-0.5).
+MLA_SCALE = (NOPE + ROPE) ** -0.5
+
+
 class FakeMlaImpl:
+    """vLLM's backend impl: the executor reads its scale and calls nothing on it."""
+
     def __init__(self) -> None:
+        self.scale = MLA_SCALE
         self.calls: list[tuple] = []
 
-    def do_kv_cache_update(self, kv_c, k_pe, kv_cache, slot_mapping, dtype, scale):
-        assert kv_c.shape[1] == LORA and k_pe.shape[1:] == (1, ROPE)
-        self.calls.append(("cache_update", kv_c.shape[0], slot_mapping))
-
-    def forward_mqa(self, q, kv_cache, metadata, layer):
-        ql_nope, q_pe = q
-        batch = ql_nope.shape[0]
-        assert ql_nope.shape == (batch, HEADS, LORA) and q_pe.shape == (batch, HEADS, ROPE)
-        self.calls.append(("forward_mqa", batch, metadata))
-        return torch.ones(batch, HEADS, LORA), None
+    def __getattr__(self, name):
+        raise AssertionError(f"the executor used the stock MLA impl's {name!r}")
 
 
 def mla_attention(prefix: str) -> nn.Module:
@@ -249,6 +248,17 @@ class FakeMlaCacheRow(Recorder):
         super().run(kv, slots)
 
 
+class FakeMlaAttention(Recorder):
+    def run(self, q_nope, q_pe, seq_lens, block_table, out):
+        batch = q_nope.shape[0]
+        assert q_nope.shape == out.shape == (batch, HEADS * LORA)
+        assert q_nope.is_contiguous() and out.is_contiguous()
+        assert q_pe.shape == (batch, HEADS, ROPE) and q_pe.stride(2) == 1
+        assert seq_lens.dtype == block_table.dtype == torch.int32
+        assert seq_lens.shape[0] >= batch and block_table.shape[0] >= batch
+        super().run(q_nope, q_pe, seq_lens, block_table, out)
+
+
 class FakeKernels(decode.KernelFactory):
     def __init__(self) -> None:
         self.log: list = []
@@ -284,6 +294,18 @@ class FakeKernels(decode.KernelFactory):
     def mla_cache_row(self, norm_weight, eps, kv_cache, rope):
         assert kv_cache.shape[-1] == norm_weight.shape[0] + rope
         kernel = FakeMlaCacheRow(self.log, "mla_cache_row", kv_cache=kv_cache, eps=eps)
+        self.built.append(kernel)
+        return kernel
+
+    def mla_attention_workspace(self, num_heads, lora, device, max_batch):
+        assert (num_heads, lora, max_batch) == (HEADS, LORA, 16)
+        return torch.empty(64, dtype=torch.float32, device=device)
+
+    def mla_attention(self, kv_cache, num_heads, scale, rope, workspace):
+        kernel = FakeMlaAttention(
+            self.log, "mla_attention", kv_cache=kv_cache, num_heads=num_heads, scale=scale,
+            rope=rope, workspace=workspace,
+        )  # fmt: skip
         self.built.append(kernel)
         return kernel
 
@@ -354,7 +376,12 @@ def forward_context(model: nn.Module, batch: int, **overrides: Any) -> SimpleNam
     for i, layer in enumerate(model.model.layers):
         if hasattr(layer.self_attn, "mla_attn"):
             name = layer.self_attn.mla_attn.mla_attn.layer_name
-            metadata[name] = SimpleNamespace(num_prefills=0, decode=SimpleNamespace())
+            # FlashAttnMLA's decode metadata: per-row lengths and kernel blocks.
+            decode_metadata = SimpleNamespace(
+                seq_lens=torch.arange(batch, dtype=torch.int32) + 5,
+                block_table=torch.zeros(batch, 3, dtype=torch.int32),
+            )
+            metadata[name] = SimpleNamespace(num_prefills=0, decode=decode_metadata)
             slot_mapping[name] = torch.arange(batch)
         else:
             metadata[layer.self_attn.prefix] = groups[KDA_GROUP[i]]
@@ -482,11 +509,15 @@ def test_bind_reads_every_kda_state_and_an_empty_cache_unbinds():
         assert kernel.bound["recurrent_state"] is recurrent
     # Profiling cache freed: no reference may survive in the executor.
     mla_cache = model.model.layers[3].self_attn.mla_attn.mla_attn.kv_cache
-    assert kernels.built[-1].kind == "mla_cache_row"
-    assert kernels.built[-1].bound["kv_cache"] is mla_cache
+    assert [k.kind for k in kernels.built[-2:]] == ["mla_cache_row", "mla_attention"]
+    assert all(k.bound["kv_cache"] is mla_cache for k in kernels.built[-2:])
+    attention = kernels.built[-1].bound
+    assert attention["scale"] == MLA_SCALE and attention["num_heads"] == HEADS
+    assert attention["workspace"] is executor._mla_workspace
     free_caches(model)
     assert not executor.bind_kv_caches() and not executor.is_bound
     assert executor._kda_kernels == {} and executor._mla_cache_kernels == {}
+    assert executor._mla_attention_kernels == {}
     # The real cache: bound again, to the new tensors.
     allocate_caches(model, slots=9)
     assert executor.bind_kv_caches()
@@ -587,11 +618,25 @@ def test_run_launches_the_plan_on_static_buffers(batch):
         assert torch.equal(slots[:batch], table[:batch, 0])
         assert slots.is_contiguous()
     assert kda_slots[0] is kda_slots[1] and kda_slots[1] is not kda_slots[2]
-    impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
-    assert [c[0] for c in impl.calls] == ["forward_mqa"]
-    # The MLA layer: qkv_a, W_UK (chained to qkv_a), kv_a norm, W_UV, o_proj, MoE.
-    mla_kinds = kinds[kinds.index("grouped_gemm") - 1 : kinds.index("grouped_gemm") + 5]
-    assert mla_kinds == ["gemm", "grouped_gemm", "mla_cache_row", "grouped_gemm", "gemm", "moe"]
+    # The MLA layer: qkv_a, W_UK (chained to qkv_a), the cache row, the attention,
+    # W_UV, o_proj, MoE.
+    mla_kinds = kinds[kinds.index("grouped_gemm") - 1 : kinds.index("grouped_gemm") + 6]
+    assert mla_kinds == [
+        "gemm", "grouped_gemm", "mla_cache_row", "mla_attention", "grouped_gemm", "gemm", "moe"
+    ]  # fmt: skip
+    # The attention reads the absorbed query, the q_pe columns of the projection and
+    # the layer's own decode metadata, and writes what W_UV reads.
+    (attention,) = [e for e in kernels.log if e[0] == "mla_attention"]
+    q_nope, q_pe, seq_lens, block_table, latent = attention[2]
+    decode_metadata = fc.attn_metadata["model.layers.3.self_attn.attn"].decode
+    assert seq_lens is decode_metadata.seq_lens and block_table is decode_metadata.block_table
+    proj = executor.buffers.rows("mla_proj", batch, executor.buffers.widths()["mla_proj"])
+    assert q_pe.data_ptr() == proj.data_ptr() + NOPE * proj.element_size()
+    assert q_pe.stride()[1:] == (NOPE + ROPE, 1)
+    w_uk_out = [e for e in kernels.log if e[0] == "grouped_gemm"][0][2][1]
+    w_uv_in = [e for e in kernels.log if e[0] == "grouped_gemm"][1][2][0]
+    assert q_nope.data_ptr() == w_uk_out.data_ptr()
+    assert latent.data_ptr() == w_uv_in.data_ptr() and w_uv_in.shape == (batch, HEADS, LORA)
     # The new latent row: the kv_a columns of the projection, the layer's slot mapping.
     (cache_row,) = [e for e in kernels.log if e[0] == "mla_cache_row"]
     kv, slots = cache_row[2]
@@ -624,8 +669,10 @@ def test_warmup_launches_every_kernel_on_padding_rows_only():
     kda_slots = [entry[2][6] for entry in kernels.log if entry[0] == "kda"]
     assert len(kda_slots) == 3 * len(executor.batch_sizes)
     assert all(int(s.abs().sum()) == 0 for s in kda_slots)
-    impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
-    assert impl.calls == []  # the stock MLA decode needs real metadata
+    # The attention compiles on padding rows (length 0): it reads no cache row.
+    attention = [e[2] for e in kernels.log if e[0] == "mla_attention"]
+    assert len(attention) == len(executor.batch_sizes)
+    assert all(int(seq_lens.abs().sum()) == 0 for _, _, seq_lens, _, _ in attention)
     # The cache row compiles on padding slots: it writes nothing.
     cache_rows = [e[2][1] for e in kernels.log if e[0] == "mla_cache_row"]
     assert len(cache_rows) == len(executor.batch_sizes)

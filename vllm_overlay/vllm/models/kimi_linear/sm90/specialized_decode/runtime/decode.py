@@ -17,9 +17,10 @@ Per layer (B rows, one decode token each; seams fused into the epilogues):
   rank), then conv, gate, delta rule and gated RMSNorm, updating the layer's
   conv and recurrent state in place; ``o_proj`` adds the residual and applies
   the post-attention RMSNorm.
-* MLA: ``qkv_a`` (q_proj|kv_a_proj_with_mqa, one GEMM); kv_a_layernorm; the
-  latent cache row write and vLLM's own FlashAttention-3 MLA decode
-  (``impl.forward_mqa``) as vLLM 0.26.0 runs them, between the two per-head
+* MLA: ``qkv_a`` (q_proj|kv_a_proj_with_mqa, one GEMM); the new latent cache
+  row (kv_a_layernorm and the cache write, one kernel); the decode attention
+  over the paged latent cache (a split pass and a merge, in place of vLLM's
+  FlashAttention-3 ``impl.forward_mqa``), between the two per-head
   absorptions (W_UK into the query, W_UV out of the latent), each one grouped
   skinny GEMM over the 32 heads (W_UV read in place, W_UK from a [N, L, P]
   copy); ``o_proj`` with the residual + RMSNorm epilogue.
@@ -133,6 +134,32 @@ class KernelFactory:
         from ..cutedsl.mla.prepared import PreparedMlaCacheRow
 
         return PreparedMlaCacheRow(norm_weight, eps, kv_cache, rope=rope)
+
+    def mla_attention_workspace(
+        self, num_heads: int, lora: int, device: torch.device, max_batch: int
+    ) -> torch.Tensor:
+        from ..cutedsl.mla.prepared import attention_workspace
+
+        return attention_workspace(num_heads, lora, device, max_batch)
+
+    def mla_attention(
+        self,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        rope: int,
+        workspace: torch.Tensor,
+    ) -> Any:
+        from ..cutedsl.mla.prepared import PreparedMlaDecodeAttention
+
+        # Inside the decode graph nothing chained before the attention writes
+        # the block table, the sequence lengths or any cache row but the
+        # step's own (the runner copies the metadata before the replay): the
+        # older rows may load while the kernels before it run.
+        return PreparedMlaDecodeAttention(
+            kv_cache, num_heads, scale, rope=rope, workspace=workspace,
+            metadata_before_wait=True,
+        )  # fmt: skip
 
     def rms_norm(
         self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
@@ -274,6 +301,8 @@ class MlaLayer:
     qk_rope: int
     kv_lora: int
     v_head: int
+    scale: float
+    """The attention's softmax scale (the backend impl's)."""
 
 
 @dataclass
@@ -434,6 +463,9 @@ def _read_mla(
         qk_rope=int(_require(self_attn, "qk_rope_head_dim", where)),
         kv_lora=int(_require(self_attn, "kv_lora_rank", where)),
         v_head=int(_require(self_attn, "v_head_dim", where)),
+        scale=float(
+            _require(mla, "impl.scale", f"{where}.self_attn.mla_attn.mla_attn")
+        ),
     )
     extra = uk_extra + uv_extra
     return layer, extra if share_storage else extra + nbytes(qkv_a.weight)
@@ -581,6 +613,28 @@ class KimiLinearDecodeExecutor:
             (self.max_tokens,), -1, dtype=torch.int64, device=self.device
         )
         self._mla_cache_kernels: dict[int, Any] = {}
+        self._mla_attention_kernels: dict[int, Any] = {}
+        # The decode attention of a warmup launch: every row padding (length
+        # 0, output zeros), so it compiles before capture without a cache row.
+        self._no_seq_lens = torch.zeros(
+            self.max_tokens, dtype=torch.int32, device=self.device
+        )
+        self._no_block_table = torch.zeros(
+            self.max_tokens, 1, dtype=torch.int32, device=self.device
+        )
+        # The split partials of the attention, shared by the MLA layers (they
+        # run one after another on one stream).
+        mla_layers = self._mla_layers()
+        self._mla_workspace = (
+            self.kernels.mla_attention_workspace(
+                mla_layers[0].num_heads,
+                mla_layers[0].kv_lora,
+                self.device,
+                self.max_tokens,
+            )  # fmt: skip
+            if mla_layers
+            else None
+        )
         # One row per KDA KV-cache group (at most one per KDA layer): the state
         # slots of the step's rows, gathered from the group's block table.
         self._kda_slot_rows = torch.zeros(
@@ -597,6 +651,8 @@ class KimiLinearDecodeExecutor:
             int(getattr(k, "extra_bytes", 0)) + int(getattr(k, "workspace_bytes", 0))
             for k in self._kernels.values()
         )
+        workspace = self._mla_workspace
+        kernel_extra += 0 if workspace is None else workspace.numel() * 4
         self.extra_bytes = extra + kernel_extra + self.buffers.nbytes
         if self.extra_bytes > MAX_EXTRA_BYTES:
             raise ValueError(
@@ -820,10 +876,11 @@ class KimiLinearDecodeExecutor:
             )
         bufs.add("attn_out", n * v_head)
         bufs.add("mla_ql_nope", n * lora)
+        bufs.add("mla_latent", n * lora)
         self._plan_gemm(
             i, "mla_qkv_a", mla.qkv_a.weight, x, self.hidden, "mla_proj", width
         )
-        kernels, attn = self.kernels, mla.attn
+        kernels = self.kernels
         w_uk = self._kernel(i, "mla_w_uk", lambda: kernels.grouped_gemm(mla.w_uk))
         w_uv = self._kernel(i, "mla_w_uv", lambda: kernels.grouped_gemm(mla.w_uv))
 
@@ -853,34 +910,29 @@ class KimiLinearDecodeExecutor:
             p = bufs.rows("mla_proj", b, width)
             q = p[:, :q_width].view(b, n, nope + rope)
             ql_nope = bufs.rows("mla_ql_nope", b, n * lora)
+            latent = bufs.rows("mla_latent", b, n * lora)
             up = bufs.rows("attn_out", b, n * v_head)
             if ctx.forward_context is None:
-                # Warmup: the stock MLA decode needs real metadata; W_UV runs on
-                # the scratch rows (the attention output has ql_nope's [B, N, L]
-                # strides), so it compiles before capture.
-                w_uv.run(ql_nope.view(b, n, lora), up)
-                return
-            kv_cache = attn.kv_cache
-            if kv_cache.numel() == 0:
-                raise RuntimeError(
-                    f"{mla.name}: the MLA KV cache is not allocated; the "
-                    "specialized decode runs only in FULL decode graph capture"
-                )
-            fc = ctx.forward_context
-            metadata = _layer_metadata(fc, mla.name)
-            if metadata.num_prefills or metadata.decode is None:
-                raise RuntimeError(
-                    f"{mla.name}: not a pure decode batch (prefills "
-                    f"{metadata.num_prefills})"
-                )
-            # vLLM's FlashAttention-3 MLA decode over the paged latent cache
-            # (the step's own row written by mla_cache_row).
-            out, _ = attn.impl.forward_mqa(
-                (ql_nope.view(b, n, lora), q[..., nope:]), kv_cache, metadata, attn
+                # Warmup: every row padding (no cache row is read; the output is
+                # zeros), so both launches compile before capture.
+                seq_lens, block_table = self._no_seq_lens, self._no_block_table
+            else:
+                metadata = _layer_metadata(ctx.forward_context, mla.name)
+                if metadata.num_prefills or metadata.decode is None:
+                    raise RuntimeError(
+                        f"{mla.name}: not a pure decode batch (prefills "
+                        f"{metadata.num_prefills})"
+                    )
+                seq_lens = metadata.decode.seq_lens
+                block_table = metadata.decode.block_table
+            # Attention over the paged latent cache, the step's own row written
+            # by mla_cache_row just before: a split pass and a merge (PDL).
+            self._mla_attention_kernels[i].run(
+                ql_nope, q[..., nope:], seq_lens, block_table, latent
             )
             # W_UV: per head [B, L] x [L, V] -> [B, V], stored as [B, N*V]; it
             # lets o_proj (PDL) start streaming its weights while it runs.
-            w_uv.run(out.view(b, n, lora), up)
+            w_uv.run(latent.view(b, n, lora), up)
 
         self._step(i, "mla_w_uk", ("mla_proj",), ("mla_ql_nope",), w_uk_launch)
         self._step(i, "mla_cache_row", ("mla_proj",), (), cache_row_launch)
@@ -964,6 +1016,7 @@ class KimiLinearDecodeExecutor:
         bound += [i for i, ok in mla_bound.items() if ok]
         self._kda_kernels = {}
         self._mla_cache_kernels = {}
+        self._mla_attention_kernels = {}
         self._bound = False
         # Graphs captured on the previous caches are captured again.
         self._graph_logits = {}
@@ -995,6 +1048,10 @@ class KimiLinearDecodeExecutor:
             self._mla_cache_kernels[mla.index] = self.kernels.mla_cache_row(
                 mla.kv_a_norm.weight, mla.kv_a_norm.eps, mla.attn.kv_cache, mla.qk_rope
             )
+            self._mla_attention_kernels[mla.index] = self.kernels.mla_attention(
+                mla.attn.kv_cache, mla.num_heads, mla.scale, mla.qk_rope,
+                self._mla_workspace,
+            )  # fmt: skip
         self._bound = True
         return True
 
