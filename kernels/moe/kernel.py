@@ -9,7 +9,9 @@ Four launches per layer, chained with programmatic dependent launch (PDL):
    CTAs only for long K, and then the last CTA of the tile reduces), rounded
    to bf16 as the stock bf16 gate GEMM does; the last tile of the grid (atomic
    ticket) runs sigmoid + score-correction bias, top-k (ties to the lower
-   expert id), renormalisation and scaling for every token, and writes a
+   expert id: each lane sorts its experts with a sorting network, then every
+   round takes the best of the lanes' heads with two ``redux.sync``),
+   renormalisation and scaling for every token, and writes a
    routing table: the distinct experts in ascending id ("slots"), each with its
    tokens, and for every (token, choice) the row its expert output will land in.
 2. ``MoeExpertKernel("gate_up")``: for every slot (and the shared expert as
@@ -52,7 +54,8 @@ from ..common.skinny_mma import (
 
 STAGE_GATE_UP = "gate_up"
 STAGE_DOWN = "down"
-# Key of an expert already taken by top-k: below the key of any number.
+# Head key of a router lane whose experts top-k has all taken: below the key
+# of any number.
 REMOVED_KEY = -(2**31)
 # The renormalisation divides by (sum + this), as vLLM's grouped top-k does.
 RENORM_EPS = 1e-20
@@ -79,6 +82,43 @@ def _ordered_key(value: Float32) -> Int32:
 def _pick(cond, if_true, if_false):
     """Branch-free select that keeps the type of ``if_false``."""
     return type(if_false)(cutlass.select_(cond, if_true, if_false))
+
+
+def lane_sort_network(n: int, keep: int) -> tuple[tuple[int, int], ...]:
+    """Compare-exchanges ``(a, b)``, ``a < b``, that put the best ``keep`` of ``n``
+    slots in order in slots ``0..keep-1`` (any strict total order).
+
+    Batcher's merge exchange (Knuth, TAOCP 5.2.2, algorithm M) for any ``n``:
+    19 compare-exchanges in 6 layers for 8.  Those that cannot reach the first
+    ``keep`` slots are dropped (walking back from the end, a compare-exchange
+    is kept when either of its slots still feeds a kept one).
+    """
+    pairs = []
+    t = max(n - 1, 0).bit_length()
+    p = 1 << t >> 1
+    while p > 0:
+        q, r, d = 1 << t >> 1, 0, p
+        while d > 0:
+            pairs += [(i, i + d) for i in range(n - d) if i & p == r]
+            d, q, r = q - p, q >> 1, p
+        p >>= 1
+    live, kept = set(range(keep)), []
+    for a, b in reversed(pairs):
+        if a in live or b in live:
+            live |= {a, b}
+            kept.append((a, b))
+    return tuple(reversed(kept))
+
+
+def _compare_exchange(keys, ids, a: int, b: int):
+    """Order slots ``a`` < ``b`` of a lane's candidates best first: the higher
+    key, and of equal keys the lower expert id (what a round must pick)."""
+    key_a, key_b, id_a, id_b = keys[a], keys[b], ids[a], ids[b]
+    swap = (key_b > key_a) | ((key_b == key_a) & (id_b < id_a))
+    keys[a] = cutlass.max(key_a, key_b)
+    keys[b] = cutlass.min(key_a, key_b)
+    ids[a] = _pick(swap, id_b, id_a)
+    ids[b] = _pick(swap, id_a, id_b)
 
 
 def halves_for(m_bucket: int) -> int:
@@ -153,6 +193,9 @@ class MoeRouterKernel:
             hidden, steps, unroll, self.halves, steps * slices * STEP_K != hidden
         )
         self.table = RoutingTable(num_experts, top_k)
+        # A lane's experts need ordering only as deep as top-k can take them.
+        per_lane = num_experts // WARP_THREADS
+        self.sort_network = lane_sort_network(per_lane, min(per_lane, top_k))
 
     @cute.jit
     def __call__(
@@ -376,10 +419,14 @@ class MoeRouterKernel:
 
         # ---- top-k, one warp per token: lane l holds experts l*P .. l*P+P-1
         # (P = E / 32), loaded as whole 16-byte vectors before any is used.
-        # Each round takes the warp's largest candidate with two redux.sync
-        # (max of the order-preserving integer key, then the lowest expert id
-        # holding it, so ties go to the lower expert id) instead of a shuffle
-        # tree carrying value, score and id.
+        # Each lane first sorts its candidates (order-preserving integer key
+        # descending, ties to the lower expert id) with a sorting network, so a
+        # round's dependency chain is only its two redux.sync: the max of the
+        # lanes' head keys, then the lowest head id holding it (ties go to the
+        # lower expert id: a lane's head is its lowest id of that key); the
+        # winning lane then shifts its list by one.  This replaces a P-deep max
+        # and a P-deep select chain per round (and before that a shuffle tree
+        # carrying value, score and id).
         lane_logits = cute.make_tensor(
             logits_ptr,
             cute.make_layout(
@@ -395,25 +442,33 @@ class MoeRouterKernel:
         for t in cutlass.range(warp, m, self.warps):
             my_logits = cute.make_rmem_tensor((per_lane,), Float32)
             cute.autovec_copy(lane_logits[t, lane, None], my_logits)
-            keys = cute.make_rmem_tensor((per_lane,), Int32)
+            # Slot per_lane is the sentinel a lane shifts in once all its
+            # experts are taken: REMOVED_KEY (below every head that is left) and
+            # id E (above every real id, so it never wins a tie).
+            keys = cute.make_rmem_tensor((per_lane + 1,), Int32)
+            ids = cute.make_rmem_tensor((per_lane + 1,), Int32)
             for j in cutlass.range_constexpr(per_lane):
                 s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-my_logits[j]))
                 scores[t, first_id + j] = s
                 keys[j] = _ordered_key(s + my_bias[j])
+                ids[j] = first_id + j
+            keys[per_lane] = Int32(REMOVED_KEY)
+            ids[per_lane] = Int32(e)
+            # A Python loop over the constant network: unrolled while tracing.
+            for a, b in self.sort_network:
+                _compare_exchange(keys, ids, a, b)
             mine_id = Int32(0)
             for r in cutlass.range_constexpr(top_k):
-                best = keys[0]
-                for j in cutlass.range_constexpr(1, per_lane):
-                    best = cutlass.max(best, keys[j])
-                best = cute.arch.warp_redux_sync(best, "max")
-                lowest = Int32(e)
-                for j in cutlass.range_constexpr(per_lane - 1, -1, -1):
-                    lowest = _pick(keys[j] == best, first_id + j, lowest)
-                winner = cute.arch.warp_redux_sync(lowest, "min")
+                best = cute.arch.warp_redux_sync(keys[0], "max")
+                candidate = _pick(keys[0] == best, ids[0], Int32(e))
+                winner = cute.arch.warp_redux_sync(candidate, "min")
                 mine_id = _pick(lane == r, winner, mine_id)
-                for j in cutlass.range_constexpr(per_lane):
-                    taken = first_id + j == winner
-                    keys[j] = _pick(taken, Int32(REMOVED_KEY), keys[j])
+                # The winner's lane shifts; only the slots that can still become
+                # a head in the rounds left are kept current.
+                won = ids[0] == winner
+                for j in cutlass.range_constexpr(min(per_lane, top_k - 1 - r)):
+                    keys[j] = _pick(won, keys[j + 1], keys[j])
+                    ids[j] = _pick(won, ids[j + 1], ids[j])
             cute.arch.sync_warp()
             mine_score = scores[t, mine_id]
             denom = Float32(1.0)

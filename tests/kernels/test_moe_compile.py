@@ -53,6 +53,15 @@ def test_router_compiles(bucket):
     assert cute.compile(kern, BF16, BF16, F32, F32, F32, I32, I32, F32, M, STREAM)
 
 
+@pytest.mark.parametrize(
+    "experts, warps",
+    [(64, 2), (1024, 8)],  # 2 experts a lane (< top-k: sentinel), 32 (pruned sort)
+)
+def test_router_topk_compiles_for_other_lane_widths(experts, warps):
+    kern = MoeRouterKernel(HIDDEN, experts, TOP_K, 1, 1, warps, 9, 2.446)
+    assert cute.compile(kern, BF16, BF16, F32, F32, F32, I32, I32, F32, M, STREAM)
+
+
 @pytest.mark.parametrize("stage", ["gate_up", "down"])
 @pytest.mark.parametrize("bucket", [1, 16])
 def test_experts_compile(stage, bucket):
@@ -100,3 +109,17 @@ def test_combine_reads_all_but_the_expert_rows_before_the_wait(tmp_path):
     assert before.count("ld.global.v4") >= 6
     first_store = after.index("st.global")
     assert after[:first_store].count("ld.global.v4") >= 2 * (TOP_K + 1)
+
+
+def test_router_topk_rounds_are_two_redux_on_the_lanes_heads(tmp_path):
+    """Top-k: two redux.sync per round and, between a round's max and min, only
+    the compare of the head with the max and the select of its id (the lanes
+    sorted their experts first); the sort and the head shifts stay in registers."""
+    text = compiled_ptx(tmp_path, "test_moe_compile", "test_router_compiles(1)")
+    lines = [ln.strip() for ln in text.splitlines()]
+    redux = [n for n, ln in enumerate(lines) if ln.startswith("redux.sync")]
+    assert len(redux) == 2 * TOP_K
+    for a, b in zip(redux[::2], redux[1::2]):
+        assert lines[a].startswith("redux.sync.max") and lines[b].startswith("redux.sync.min")
+        assert b - a <= 3
+    assert "ld.local" not in text and "st.local" not in text
