@@ -370,18 +370,26 @@ def kda_common_metadata(group: int, batch: int) -> SimpleNamespace:
     return SimpleNamespace(block_table_tensor=table[:batch], max_query_len=1)
 
 
-def forward_context(model: nn.Module, batch: int, **overrides: Any) -> SimpleNamespace:
+def mla_metadata(batch: int, common: bool) -> SimpleNamespace:
+    """What the MLA layer gets: its group's CommonAttentionMetadata from the patched
+    runner (the executor builds the layer itself), or FlashAttnMLA's own metadata."""
+    seq_lens = torch.arange(batch, dtype=torch.int32) + 5
+    table = torch.zeros(batch, 3, dtype=torch.int32)
+    if common:
+        return SimpleNamespace(seq_lens=seq_lens, block_table_tensor=table, max_query_len=1)
+    decode = SimpleNamespace(seq_lens=seq_lens, block_table=table)
+    return SimpleNamespace(num_prefills=0, decode=decode)
+
+
+def forward_context(
+    model: nn.Module, batch: int, mla_common: bool = True, **overrides: Any
+) -> SimpleNamespace:
     metadata, slot_mapping = {}, {}
     groups = [kda_common_metadata(g, batch) for g in sorted(set(KDA_GROUP.values()))]
     for i, layer in enumerate(model.model.layers):
         if hasattr(layer.self_attn, "mla_attn"):
             name = layer.self_attn.mla_attn.mla_attn.layer_name
-            # FlashAttnMLA's decode metadata: per-row lengths and kernel blocks.
-            decode_metadata = SimpleNamespace(
-                seq_lens=torch.arange(batch, dtype=torch.int32) + 5,
-                block_table=torch.zeros(batch, 3, dtype=torch.int32),
-            )
-            metadata[name] = SimpleNamespace(num_prefills=0, decode=decode_metadata)
+            metadata[name] = mla_metadata(batch, mla_common)
             slot_mapping[name] = torch.arange(batch)
         else:
             metadata[layer.self_attn.prefix] = groups[KDA_GROUP[i]]
@@ -595,13 +603,14 @@ def test_buffers_are_sized_for_the_largest_prepared_batch():
 
 
 # ------------------------------------------------------------------------ running
+@pytest.mark.parametrize("mla_common", [True, False], ids=["mla-common", "mla-backend"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
-def test_run_launches_the_plan_on_static_buffers(batch):
+def test_run_launches_the_plan_on_static_buffers(batch, mla_common):
     model, executor, kernels = build()
     allocate_caches(model)
     executor.bind_kv_caches()
     kernels.log.clear()
-    fc = forward_context(model, batch)
+    fc = forward_context(model, batch, mla_common)
     out = executor.run(torch.arange(batch), torch.arange(batch), fc)
     assert out.shape == (batch, HIDDEN)
     assert out.data_ptr() == executor.buffers.rows(executor._output, batch).data_ptr()
@@ -628,8 +637,12 @@ def test_run_launches_the_plan_on_static_buffers(batch):
     # the layer's own decode metadata, and writes what W_UV reads.
     (attention,) = [e for e in kernels.log if e[0] == "mla_attention"]
     q_nope, q_pe, seq_lens, block_table, latent = attention[2]
-    decode_metadata = fc.attn_metadata["model.layers.3.self_attn.attn"].decode
-    assert seq_lens is decode_metadata.seq_lens and block_table is decode_metadata.block_table
+    metadata = fc.attn_metadata["model.layers.3.self_attn.attn"]
+    if mla_common:  # the group's CommonAttentionMetadata
+        assert seq_lens is metadata.seq_lens and block_table is metadata.block_table_tensor
+    else:  # FlashAttnMLA's decode metadata (a runner that built it anyway)
+        assert seq_lens is metadata.decode.seq_lens
+        assert block_table is metadata.decode.block_table
     proj = executor.buffers.rows("mla_proj", batch, executor.buffers.widths()["mla_proj"])
     assert q_pe.data_ptr() == proj.data_ptr() + NOPE * proj.element_size()
     assert q_pe.stride()[1:] == (NOPE + ROPE, 1)
@@ -706,14 +719,22 @@ def test_step_does_not_apply_outside_capture_or_with_prefills():
     assert not executor.step_applies(fc, capturing=True)
     fc = forward_context(model, 4)
     assert not executor.step_applies(fc, inputs_embeds=torch.zeros(4, HIDDEN), capturing=True)
+    # The MLA layer's metadata says the step has a prefill, in either form.
+    fc = forward_context(model, 4)
+    fc.attn_metadata["model.layers.3.self_attn.attn"].max_query_len = 2
+    assert not executor.step_applies(fc, capturing=True)
+    fc = forward_context(model, 4, mla_common=False)
+    assert executor.step_applies(fc, capturing=True)
+    fc.attn_metadata["model.layers.3.self_attn.attn"].num_prefills = 1
+    assert not executor.step_applies(fc, capturing=True)
 
 
-def test_the_runner_builds_no_kda_metadata_for_the_steps_the_executor_serves():
+def test_the_runner_builds_no_kda_or_mla_metadata_for_the_steps_the_executor_serves():
     model, executor, _ = build()
     full = CUDAGraphMode.FULL
     served = BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True)
-    kda_names = [f"model.layers.{i}.self_attn" for i in KDA_GROUP]
-    assert list(executor.attention_layers_built_by_model(full, served)) == kda_names
+    names = [f"model.layers.{i}.self_attn" for i in KDA_GROUP] + ["model.layers.3.self_attn.attn"]
+    assert list(executor.attention_layers_built_by_model(full, served)) == names
     for mode, descriptor in [
         (CUDAGraphMode.PIECEWISE, served),
         (full, BatchDescriptor(num_tokens=4, num_reqs=4)),

@@ -917,14 +917,10 @@ class KimiLinearDecodeExecutor:
                 # zeros), so both launches compile before capture.
                 seq_lens, block_table = self._no_seq_lens, self._no_block_table
             else:
-                metadata = _layer_metadata(ctx.forward_context, mla.name)
-                if metadata.num_prefills or metadata.decode is None:
-                    raise RuntimeError(
-                        f"{mla.name}: not a pure decode batch (prefills "
-                        f"{metadata.num_prefills})"
-                    )
-                seq_lens = metadata.decode.seq_lens
-                block_table = metadata.decode.block_table
+                tables = _mla_decode_tables(ctx.forward_context, mla.name)
+                if tables is None:
+                    raise RuntimeError(f"{mla.name}: not a pure decode batch")
+                seq_lens, block_table = tables
             # Attention over the paged latent cache, the step's own row written
             # by mla_cache_row just before: a split pass and a merge (PDL).
             self._mla_attention_kernels[i].run(
@@ -1142,12 +1138,16 @@ class KimiLinearDecodeExecutor:
     def attention_layers_built_by_model(
         self, cudagraph_mode: Any, descriptor: Any
     ) -> tuple[str, ...]:
-        """The KDA layers, for steps the executor serves: the runner then skips
-        their GDN metadata builds (host time every step) and hands them their
-        group's common metadata, whose block table holds the state slots."""
+        """The KDA and MLA layers, for steps the executor serves: the runner
+        then skips their metadata builds (host time every step; for MLA also
+        FlashAttention-3's scheduling launches, which the decode attention of
+        kernels/mla does not read) and hands them their group's common
+        metadata: the KDA block table holds the state slots, the MLA one the
+        cache blocks with the sequence lengths beside it."""
         if not self.serves(cudagraph_mode, descriptor):
             return ()
-        return tuple(kda.name for kda in self._kda_layers())
+        layers = [kda.name for kda in self._kda_layers()]
+        return tuple(layers + [mla.name for mla in self._mla_layers()])
 
     def step_applies(
         self,
@@ -1175,8 +1175,7 @@ class KimiLinearDecodeExecutor:
             if metadata.max_query_len != 1:
                 return False
         for mla in self._mla_layers():
-            metadata = _layer_metadata(forward_context, mla.name)
-            if metadata.num_prefills or metadata.decode is None:
+            if _mla_decode_tables(forward_context, mla.name) is None:
                 return False
         return True
 
@@ -1258,6 +1257,24 @@ def _kda_block_table(forward_context: Any, name: str, batch: int) -> torch.Tenso
             f"with >= {batch} rows"
         )
     return table
+
+
+def _mla_decode_tables(
+    forward_context: Any, name: str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(seq_lens, block_table) of an MLA layer's pure decode step, or None if
+    the step has prefills. The patched runner hands a layer the executor
+    builds itself its group's CommonAttentionMetadata (the tables the MLA
+    backend's decode metadata would be sliced from); a runner that built the
+    backend's metadata anyway hands that, which serves as well."""
+    metadata = _layer_metadata(forward_context, name)
+    if hasattr(metadata, "block_table_tensor"):  # CommonAttentionMetadata
+        if metadata.max_query_len != 1:
+            return None
+        return metadata.seq_lens, metadata.block_table_tensor
+    if metadata.num_prefills or metadata.decode is None:
+        return None
+    return metadata.decode.seq_lens, metadata.decode.block_table
 
 
 def _layer_slot_mapping(forward_context: Any, name: str) -> torch.Tensor:
