@@ -6,13 +6,14 @@
 In one process on an SM90 GPU with vLLM 0.26.0 installed: Kimi-Linear's MLA decode (32
 heads, the absorbed query [ql_nope 512 | q_pe 64], the paged bf16 latent cache [blocks,
 block_size, 576], softmax scale 192^-0.5) for B in {1, 2, 4, 8, 16} requests of SEQ tokens
-each, by ``PreparedMlaDecodeAttention`` (split pass + merge) and by what the decode graph
-ran before it: ``flash_attn_varlen_func`` (fa_version 3) with the scheduler metadata and
-``num_splits`` vLLM's FlashAttnMLA builder gives a FULL-graph step (32 splits at most).
-Both outputs are checked against each other first. Each timed graph chains one attention
-per layer over enough distinct caches (>= 7, the model's MLA layers) that they exceed the
-H200's 50 MB L2, so the cache rows come from HBM as in a decode step; time = median replay
-/ layers. Roofline = cache bytes of the B requests / 4.25 TB/s.
+each (SEQ in {512, 1024, 4096, 32768}), by ``PreparedMlaDecodeAttention`` (split pass +
+merge) and by what the decode graph ran before it: ``flash_attn_varlen_func`` (fa_version
+3) with the scheduler metadata and ``num_splits`` vLLM's FlashAttnMLA builder gives a
+FULL-graph step (32 splits at most). Both outputs are checked against each other first.
+Each timed graph chains one attention per layer over enough distinct caches (>= 7, the
+model's MLA layers) that they exceed the H200's 50 MB L2, so the cache rows come from HBM
+as in a decode step; time = median replay / layers. Roofline = cache bytes of the B
+requests / 4.25 TB/s.
 
     python3 scripts/bench_mla_attention.py --out-dir docs/perf
 """
@@ -37,7 +38,7 @@ HEADS, LORA, ROPE, NOPE = 32, 512, 64, 128
 WIDTH = LORA + ROPE
 SCALE = (NOPE + ROPE) ** -0.5
 B_VALUES = (1, 2, 4, 8, 16)
-SEQ_VALUES = (512, 1024, 4096)
+SEQ_VALUES = (512, 1024, 4096, 32768)
 MIN_LAYERS, MAX_LAYERS = 7, 96
 L2_FOOTPRINT = 120 << 20
 HBM_BYTES_PER_US = 4.25e6

@@ -248,26 +248,38 @@ SOFTMAX_LANES = 8
 # the padding keeps the P loads of 16 lanes on distinct banks.
 S_ROW_PITCH = TILE_TOKENS + 4
 P_ROW_PITCH = TILE_TOKENS + 16
-# Splits a row may be cut into (the workspace's second dimension at most),
-# and the CTAs the split grid aims for: two per SM of an H200 at this
-# kernel's ~82 KB of shared memory.
-MAX_SPLITS = 64
+# The CTAs the split grid aims for: two per SM of an H200 at this kernel's
+# ~82 KB of shared memory.  (132: the SMs of an H200; other SM90 parts only
+# size the grid differently.)
 CTAS_PER_SM = 2
 SMEM_CARVEOUT_MAX = 100
-# (132: the SMs of an H200; other SM90 parts only size the grid differently.)
 H200_SMS = 132
 TARGET_CTAS = H200_SMS * CTAS_PER_SM
+# A row's tiles are cut into at most SHORT_SPLITS ranges (the merge reads
+# them in two rounds) until a range would exceed LONG_TILES tiles (a CTA
+# runs its tiles one after another); longer rows use more splits, up to the
+# grid (TARGET_CTAS // B), so that long contexts stream the cache at HBM
+# bandwidth from every SM rather than a few CTAs' tiles back to back.
+SHORT_SPLITS = 64
+LONG_TILES = 4
 # Merge: one CTA per (head, row); each thread owns this many latent columns
 # and reads (at most) this many splits' partials per round of loads.
 MERGE_COLS = 4
-MERGE_BATCH = 32
+MERGE_BATCH = 64
 LOG2_E = 1.4426950408889634
 BF16_BYTES = 2
 
 
 def splits_for(batch: int) -> int:
     """The split grid's width for ``batch`` rows (compile-time)."""
-    return min(MAX_SPLITS, max(1, TARGET_CTAS // batch))
+    return max(1, TARGET_CTAS // batch)
+
+
+def split_range(tiles: int, splits: int) -> tuple[int, int]:
+    """(tiles per split, used splits) for ``tiles`` tiles and a grid of
+    ``splits``: the host-side twin of ``_split_range`` (for tests)."""
+    per_split = max(min(-(-tiles // SHORT_SPLITS), LONG_TILES), -(-tiles // splits), 1)
+    return per_split, -(-tiles // per_split)
 
 
 def _pick(cond, if_true, if_false):
@@ -290,7 +302,10 @@ def _split_range(seq, splits: cutlass.Constexpr):
     """(tiles per split, used splits) of a row of ``seq`` tokens: contiguous
     ranges of whole tiles; both launches derive it from ``seq`` alone."""
     tiles = (seq + (TILE_TOKENS - 1)) // TILE_TOKENS
-    per_split = cutlass.max((tiles + (splits - 1)) // splits, 1)
+    short = cutlass.min((tiles + (SHORT_SPLITS - 1)) // SHORT_SPLITS, LONG_TILES)
+    per_split = cutlass.max(
+        cutlass.max(short, (tiles + (splits - 1)) // splits), Int32(1)
+    )
     used = (tiles + per_split - 1) // per_split
     return tiles, per_split, used
 
@@ -881,15 +896,12 @@ class MlaAttentionMergeKernel:
         self.threads = lora // MERGE_COLS
         # Splits per round of loads: no more than the grid has.
         self.merge_batch = min(MERGE_BATCH, self.splits)
-        if self.threads < MAX_SPLITS:
-            raise ValueError(
-                f"lora={lora}: the merge's {self.threads} threads must cover "
-                f"{MAX_SPLITS} splits (one split's max and sum each)"
-            )
+        # Splits' (max, sum) pairs each thread reads.
+        self.ml_rounds = -(-self.splits // self.threads)
 
     def smem_bytes(self) -> int:
         rows = self.merge_batch * self.lora * 4
-        return rows + 4 * (MAX_SPLITS + self.threads // WARP_THREADS) + 3 * 16
+        return rows + 4 * (self.splits + self.threads // WARP_THREADS) + 3 * 16
 
     @cute.jit
     def __call__(
@@ -922,7 +934,7 @@ class MlaAttentionMergeKernel:
         if const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
         smem = cutlass.utils.SmemAllocator()
-        weight_s = smem.allocate_tensor(Float32, cute.make_layout((MAX_SPLITS,)), 16)
+        weight_s = smem.allocate_tensor(Float32, cute.make_layout((self.splits,)), 16)
         red_s = smem.allocate_tensor(
             Float32, cute.make_layout((self.threads // WARP_THREADS,)), 16
         )
@@ -961,22 +973,31 @@ class MlaAttentionMergeKernel:
         _, _, used = _split_range(seq_lens[row], splits)
         if const_expr(self.use_pdl and self.metadata_before_wait):
             cute.arch.griddepcontrol_wait()
-        # Thread s < used holds split s's (max, sum): the overall max and the
-        # weights exp2(m_s - max) by block reductions, the weights shared.
-        valid = tidx < used
-        split_max = Float32(-float("inf"))
-        split_sum = Float32(0.0)
-        if valid:
-            split_max = partial_ml[row, tidx, head, 0]
-            split_sum = partial_ml[row, tidx, head, 1]
-        top = self._block_reduce(split_max, "max", red_s, tidx)
-        weight = _pick(
-            valid, cute.math.exp2(split_max - top, fastmath=True), Float32(0.0)
-        )
-        if tidx < MAX_SPLITS:
-            weight_s[tidx] = weight
-        # A fixed reduction tree: the same sum at every replay.
-        denom = self._block_reduce(weight * split_sum, "sum", red_s, tidx)
+        # Thread t holds the (max, sum) of splits t, t + threads, ...: the
+        # overall max and the denominator by block reductions (fixed trees:
+        # the same sums at every replay), the weights exp2(m_s - max) shared.
+        maxima = cute.make_rmem_tensor((self.ml_rounds,), Float32)
+        sums = cute.make_rmem_tensor((self.ml_rounds,), Float32)
+        local_max = Float32(-float("inf"))
+        for k in cutlass.range_constexpr(self.ml_rounds):
+            s = tidx + k * self.threads
+            maxima[k] = Float32(-float("inf"))
+            sums[k] = Float32(0.0)
+            if s < used:
+                maxima[k] = partial_ml[row, s, head, 0]
+                sums[k] = partial_ml[row, s, head, 1]
+            local_max = cute.arch.fmax(local_max, maxima[k])
+        top = self._block_reduce(local_max, "max", red_s, tidx)
+        local_sum = Float32(0.0)
+        for k in cutlass.range_constexpr(self.ml_rounds):
+            s = tidx + k * self.threads
+            weight = _pick(
+                s < used, cute.math.exp2(maxima[k] - top, fastmath=True), Float32(0.0)
+            )
+            if s < self.splits:
+                weight_s[s] = weight
+            local_sum = local_sum + weight * sums[k]
+        denom = self._block_reduce(local_sum, "sum", red_s, tidx)
         total = cute.make_rmem_tensor((MERGE_COLS,), Float32)
         total.fill(0.0)
         atom = cute.make_copy_atom(
@@ -988,15 +1009,15 @@ class MlaAttentionMergeKernel:
             # time by ptxas, one L2 round trip each); splits past `used`
             # re-read the last used one and weigh 0.  Each thread reads back
             # only what it copied: no barrier.
-            for i in cutlass.range_constexpr(self.merge_batch):
+            for i in cutlass.range(self.merge_batch, unroll_full=True):
                 s = cutlass.min(s0 + i, used - 1)
                 cute.copy(
                     atom, partial_o[row, s, head, tidx, None], rows_s[i, tidx, None]
                 )
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
-            for i in cutlass.range_constexpr(self.merge_batch):
-                w = weight_s[cutlass.min(s0 + i, MAX_SPLITS - 1)]
+            for i in cutlass.range(self.merge_batch, unroll_full=True):
+                w = weight_s[cutlass.min(s0 + i, self.splits - 1)]
                 w = _pick(s0 + i < used, w, Float32(0.0))
                 part = cute.make_rmem_tensor((MERGE_COLS,), Float32)
                 cute.autovec_copy(rows_s[i, tidx, None], part)

@@ -15,7 +15,8 @@ copied bit for bit, and no other cache row may change.
 
 Attention: 32 heads, the absorbed query [ql_nope (512) | q_pe (64)] per head (q_pe read
 as strided columns of the projection), softmax scale 192^-0.5, the paged cache through a
-shuffled block table, B = 1..16, sequence lengths from 1 to several tiles per split,
+shuffled block table, B = 1..16, sequence lengths from 1 to several tiles per split and
+more splits than one round of the merge,
 padding rows (seq_len 0 -> zeros). Tolerance per element, from the kernel's roundings:
 P is rounded to bf16 before P V (relative 2^-8 per weight) and the output to bf16, so
 |got - ref| <= 2^-7 (softmax @ |V| + |ref|) + 1e-5.
@@ -208,8 +209,10 @@ def check_attention(out, q_nope, q_pe, cache, block_table, seq, block_size):
 
 
 SEQ_CASES = {
-    1: [[1], [31], [32], [33], [700], [2049], [5000]],
-    2: [[1, 1000], [64, 0]],
+    # 20000 tokens: 4 tiles a split, 157 splits (more than the merge's 128 threads and
+    # than one round of its loads).
+    1: [[1], [31], [32], [33], [700], [2049], [5000], [20000]],
+    2: [[1, 1000], [64, 0], [9000, 3]],
     3: [[5, 0, 300]],
     4: [[1, 32, 33, 1024]],
     8: [[17, 250, 0, 512, 1025, 3, 96, 2000]],

@@ -131,8 +131,8 @@ def test_merge_reads_partials_only_after_the_wait(tmp_path):
     before, after = ptx[:wait], ptx[wait:]
     assert before.count("ld.global") == 1  # the sequence length
     assert "cp.async" not in before
-    # The partial rows: one batch of 32 splits in flight at once (cp.async).
-    assert after.count("cp.async.ca.shared.global") == 32
+    # The partial rows: one batch of 64 splits in flight at once (cp.async).
+    assert after.count("cp.async.ca.shared.global") == 64
 
 
 def test_attention_rejects_shapes_it_was_not_built_for():
@@ -144,5 +144,22 @@ def test_attention_rejects_shapes_it_was_not_built_for():
         _attention(batch=17)
     with pytest.raises(ValueError, match="outside 1..16"):
         MlaAttentionMergeKernel(HEADS, LORA, 0, Q_NOPE_STRIDE)
-    # Two CTAs per SM of an H200 at most, and never more than 64 splits a row.
-    assert [splits_for(b) for b in (1, 4, 8, 16)] == [64, 64, 33, 16]
+    # The split grid: two CTAs per SM of an H200.
+    assert [splits_for(b) for b in (1, 4, 8, 16)] == [264, 66, 33, 16]
+
+
+@pytest.mark.parametrize("splits", [264, 66, 33, 16, 1])
+def test_split_ranges_cover_every_tile_once(splits):
+    """Contiguous ranges of whole tiles, one per used split, none past the grid; short rows
+    one tile a split, long rows at most LONG_TILES a split until the grid is full."""
+    from kernels.mla.kernel import LONG_TILES, SHORT_SPLITS, split_range
+
+    for tiles in [*range(0, 700), 1024, 3125, 31250]:
+        per_split, used = split_range(tiles, splits)
+        ranges = [range(s * per_split, min((s + 1) * per_split, tiles)) for s in range(used)]
+        assert [t for r in ranges for t in r] == list(range(tiles))
+        assert all(len(r) > 0 for r in ranges) and used <= splits
+        if tiles <= min(SHORT_SPLITS, splits):
+            assert per_split == 1
+        if tiles <= LONG_TILES * splits:
+            assert per_split <= LONG_TILES
