@@ -17,6 +17,15 @@ WARP_THREADS = 32
 MAX_ROWS = 16
 
 
+def _check_chunk_strides(**strides: int) -> None:
+    """Element strides the kernels step in whole 16-byte chunks."""
+    for name, stride in strides.items():
+        if stride % CHUNK:
+            raise ValueError(
+                f"{name}={stride} must be a multiple of {CHUNK} (16-byte rows)"
+            )
+
+
 # ---------------------------------------------------------------------------
 # The new latent-cache row of each decode request, in one launch
 # ---------------------------------------------------------------------------
@@ -65,15 +74,11 @@ class MlaCacheRowKernel:
             )
         if rope // CHUNK > lora // CHUNK:
             raise ValueError(f"rope={rope} wider than lora={lora}")
-        for name, stride in (
-            ("x_row_stride", x_row_stride),
-            ("cache_block_stride", cache_block_stride),
-            ("cache_token_stride", cache_token_stride),
-        ):
-            if stride % CHUNK:
-                raise ValueError(
-                    f"{name}={stride} must be a multiple of {CHUNK} (16-byte rows)"
-                )
+        _check_chunk_strides(
+            x_row_stride=x_row_stride,
+            cache_block_stride=cache_block_stride,
+            cache_token_stride=cache_token_stride,
+        )
         self.lora, self.rope, self.eps = lora, rope, eps
         self.x_row_stride = x_row_stride
         self.block_size = block_size
@@ -362,17 +367,13 @@ class MlaDecodeAttentionKernel:
             )
         if not 1 <= batch <= MAX_ROWS:
             raise ValueError(f"batch={batch} is outside 1..{MAX_ROWS}")
-        for name, stride in (
-            ("q_nope_row_stride", q_nope_row_stride),
-            ("q_pe_row_stride", q_pe_row_stride),
-            ("q_pe_head_stride", q_pe_head_stride),
-            ("cache_block_stride", cache_block_stride),
-            ("cache_token_stride", cache_token_stride),
-        ):
-            if stride % CHUNK:
-                raise ValueError(
-                    f"{name}={stride} must be a multiple of {CHUNK} (16-byte rows)"
-                )
+        _check_chunk_strides(
+            q_nope_row_stride=q_nope_row_stride,
+            q_pe_row_stride=q_pe_row_stride,
+            q_pe_head_stride=q_pe_head_stride,
+            cache_block_stride=cache_block_stride,
+            cache_token_stride=cache_token_stride,
+        )
         self.num_heads, self.lora, self.rope = num_heads, lora, rope
         self.width, self.chunks = width, width // CHUNK
         self.lora_chunks, self.rope_chunks = lora // CHUNK, rope // CHUNK

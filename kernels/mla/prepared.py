@@ -112,17 +112,7 @@ class PreparedMlaCacheRow:
                 "kv needs a contiguous last dim and 16-byte aligned rows (strides "
                 f"{kv.stride()}, address {kv.data_ptr():#x})"
             )
-        if (
-            not isinstance(slots, torch.Tensor)
-            or slots.dtype != torch.int64
-            or slots.dim() != 1
-            or slots.shape[0] < m
-            or not slots.is_contiguous()
-            or slots.device != self.device
-        ):
-            raise ValueError(
-                f"slots must be a contiguous int64 [>= {m}] tensor on {self.device}"
-            )
+        _check_vector(slots, "slots", torch.int64, m, self.device)
         fn = self._fns.get(row_stride) or self._compile(row_stride)
         fn(
             gmem_ptr(kv, cutlass.BFloat16),
@@ -277,17 +267,7 @@ class PreparedMlaDecodeAttention:
                 "q_pe needs a contiguous last dim and 16-byte aligned heads "
                 f"(strides {q_pe.stride()}, address {q_pe.data_ptr():#x})"
             )
-        if (
-            not isinstance(seq_lens, torch.Tensor)
-            or seq_lens.dtype != torch.int32
-            or seq_lens.dim() != 1
-            or seq_lens.shape[0] < b
-            or not seq_lens.is_contiguous()
-            or seq_lens.device != self.device
-        ):
-            raise ValueError(
-                f"seq_lens must be a contiguous int32 [>= {b}] tensor on {self.device}"
-            )
+        _check_vector(seq_lens, "seq_lens", torch.int32, b, self.device)
         if (
             not isinstance(block_table, torch.Tensor)
             or block_table.dtype != torch.int32
@@ -345,6 +325,24 @@ def _check_cache(kv_cache: torch.Tensor) -> None:
     if kv_cache.stride(0) % CHUNK or kv_cache.stride(1) % CHUNK:
         raise ValueError(
             f"kv_cache strides {kv_cache.stride()} must be multiples of {CHUNK}"
+        )
+
+
+def _check_vector(
+    t: torch.Tensor, name: str, dtype: torch.dtype, rows: int, device: torch.device
+) -> None:
+    """A contiguous 1-D index tensor with an entry per row (or more)."""
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.dtype != dtype
+        or t.dim() != 1
+        or t.shape[0] < rows
+        or not t.is_contiguous()
+        or t.device != device
+    ):
+        kind = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"{name} must be a contiguous {kind} [>= {rows}] tensor on {device}"
         )
 
 
