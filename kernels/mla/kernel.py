@@ -321,7 +321,9 @@ class MlaDecodeAttentionKernel:
     Compile-time shape: ``num_heads`` (32), ``lora`` (512), ``rope`` (64),
     the softmax ``scale``, the batch rows of the graph, the query's strides
     (``ql_nope`` rows; ``q_pe`` rows and heads), the cache's block size and
-    strides and the block table's row stride (elements).
+    strides (elements).  The block table's row stride is a launch argument:
+    the warmup's stand-in table and vLLM's differ, and a compile must not
+    happen inside graph capture.
 
     PDL: with ``metadata_before_wait`` the sequence lengths, the block table
     and every cache row but the request's newest are read before
@@ -344,7 +346,6 @@ class MlaDecodeAttentionKernel:
         block_size: int,
         cache_block_stride: int,
         cache_token_stride: int,
-        block_table_stride: int,
         use_pdl: bool = True,
         metadata_before_wait: bool = True,
     ):
@@ -385,7 +386,6 @@ class MlaDecodeAttentionKernel:
         self.block_size = block_size
         self.cache_block_stride = cache_block_stride
         self.cache_token_stride = cache_token_stride
-        self.block_table_stride = block_table_stride
         self.use_pdl = use_pdl
         self.metadata_before_wait = metadata_before_wait
         # Without PDL nothing runs concurrently: the first tile in one pass.
@@ -415,14 +415,15 @@ class MlaDecodeAttentionKernel:
         q_pe_ptr: cute.Pointer,
         cache_ptr: cute.Pointer,
         block_table_ptr: cute.Pointer,
+        block_table_stride: Int32,
         seq_lens_ptr: cute.Pointer,
         partial_o_ptr: cute.Pointer,
         partial_ml_ptr: cute.Pointer,
         stream: cuda.CUstream,
     ):
         self.kernel(
-            q_nope_ptr, q_pe_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
-            partial_o_ptr, partial_ml_ptr,
+            q_nope_ptr, q_pe_ptr, cache_ptr, block_table_ptr, block_table_stride,
+            seq_lens_ptr, partial_o_ptr, partial_ml_ptr,
         ).launch(
             grid=[self.splits, self.batch, 1],
             block=[ATTN_THREADS, 1, 1],
@@ -443,11 +444,16 @@ class MlaDecodeAttentionKernel:
         q_pe_ptr: cute.Pointer,
         cache_ptr: cute.Pointer,
         block_table_ptr: cute.Pointer,
+        block_table_stride: Int32,
         seq_lens_ptr: cute.Pointer,
         partial_o_ptr: cute.Pointer,
         partial_ml_ptr: cute.Pointer,
     ):
         heads, chunks = self.num_heads, self.chunks
+        block_table = cute.make_tensor(
+            block_table_ptr,
+            cute.make_layout((self.batch, 1 << 24), stride=(block_table_stride, 1)),
+        )
         tidx, _, _ = cute.arch.thread_idx()
         split, row, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -513,7 +519,7 @@ class MlaDecodeAttentionKernel:
                 # layer's split pass rewrites the shared partials after its wait).
                 cute.arch.griddepcontrol_wait()
         if first < last:
-            self._tile_rows(row_base_s, block_table_ptr, row, first, seq, tidx)
+            self._tile_rows(row_base_s, block_table, row, first, seq, tidx)
             self._stage_tile(
                 kv_s, row_base_s, cache_ptr, seq - first * TILE_TOKENS, tidx,
                 self.first_tile_rows,
@@ -556,9 +562,7 @@ class MlaDecodeAttentionKernel:
                 self._accumulate_pv(acc, p_s, kv_quads, alpha_s, warp, lane)
                 cute.arch.sync_threads()
                 if tile + 1 < last:
-                    self._tile_rows(
-                        row_base_s, block_table_ptr, row, tile + 1, seq, tidx
-                    )
+                    self._tile_rows(row_base_s, block_table, row, tile + 1, seq, tidx)
                     self._stage_tile(
                         kv_s, row_base_s, cache_ptr,
                         seq - (tile + 1) * TILE_TOKENS, tidx, "all",
@@ -571,16 +575,10 @@ class MlaDecodeAttentionKernel:
             )  # fmt: skip
 
     @cute.jit
-    def _tile_rows(self, row_base_s, block_table_ptr, row, tile, seq, tidx):
+    def _tile_rows(self, row_base_s, block_table, row, tile, seq, tidx):
         """Element offsets of ``tile``'s cache rows into ``row_base_s`` (-1
         past ``seq``): one block-table load per row, by the first warp; ends
         with a barrier."""
-        block_table = cute.make_tensor(
-            block_table_ptr,
-            cute.make_layout(
-                (self.batch, 1 << 24), stride=(self.block_table_stride, 1)
-            ),
-        )
         if tidx < TILE_TOKENS:
             pos = tile * TILE_TOKENS + tidx
             base = Int64(-1)

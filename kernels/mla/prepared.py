@@ -201,7 +201,7 @@ class PreparedMlaDecodeAttention:
         self._fns: dict[tuple, tuple] = {}
 
     def _compile(self, key: tuple) -> tuple:
-        (batch, nope_stride, pe_row, pe_head, table_stride, out_stride) = key
+        (batch, nope_stride, pe_row, pe_head, out_stride) = key
         c = self.cache
         full = (
             "attention", self.num_heads, self.lora, self.rope, self.scale, *key,
@@ -212,7 +212,7 @@ class PreparedMlaDecodeAttention:
             split = MlaDecodeAttentionKernel(
                 self.num_heads, self.lora, self.rope, self.scale, batch,
                 nope_stride, pe_row, pe_head, self.block_size, c.stride(0),
-                c.stride(1), table_stride, self.use_pdl, self.metadata_before_wait,
+                c.stride(1), self.use_pdl, self.metadata_before_wait,
             )  # fmt: skip
             merge = MlaAttentionMergeKernel(
                 self.num_heads, self.lora, batch, out_stride, self.use_pdl,
@@ -224,7 +224,18 @@ class PreparedMlaDecodeAttention:
             stream = cuda.CUstream(0)
             start = time.perf_counter()
             _COMPILED[full] = (
-                cute.compile(split, bf16, bf16, bf16, i32, i32, f32, f32, stream),
+                cute.compile(
+                    split,
+                    bf16,
+                    bf16,
+                    bf16,
+                    i32,
+                    cutlass.Int32(1),
+                    i32,
+                    f32,
+                    f32,
+                    stream,
+                ),
                 cute.compile(merge, f32, f32, i32, bf16, stream),
             )
             COMPILE_SECONDS[full] = time.perf_counter() - start
@@ -280,14 +291,9 @@ class PreparedMlaDecodeAttention:
                 f"block_table must be an int32 [>= {b}, W] tensor with a "
                 f"contiguous last dim on {self.device}"
             )
-        key = (
-            b,
-            nope_stride,
-            pe_row,
-            q_pe.stride(1),
-            block_table.stride(0),
-            out_stride,
-        )
+        # The block table's row stride is a launch argument, not in the key:
+        # the warmup's stand-in table and vLLM's share one compile.
+        key = (b, nope_stride, pe_row, q_pe.stride(1), out_stride)
         split, merge = self._fns.get(key) or self._compile(key)
         stream = current_stream(self.device)
         f32 = cutlass.Float32
@@ -296,6 +302,7 @@ class PreparedMlaDecodeAttention:
             gmem_ptr(q_pe, cutlass.BFloat16),
             gmem_ptr(self.cache, cutlass.BFloat16),
             gmem_ptr(block_table, cutlass.Int32, assumed_align=4),
+            block_table.stride(0),
             gmem_ptr(seq_lens, cutlass.Int32, assumed_align=4),
             gmem_ptr(self.partial_o, f32),
             gmem_ptr(self.partial_ml, f32),

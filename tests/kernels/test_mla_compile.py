@@ -79,14 +79,15 @@ def _attention(batch=4, block_size=64, use_pdl=True, heads=HEADS):
     width = LORA + ROPE
     return MlaDecodeAttentionKernel(
         heads, LORA, ROPE, SCALE, batch, Q_NOPE_STRIDE, PROJ_STRIDE, Q_PE_HEAD_STRIDE,
-        block_size, block_size * width, width, 2048, use_pdl,
+        block_size, block_size * width, width, use_pdl,
     )  # fmt: skip
 
 
 def _compile_attention(kern):
     bf16, f32 = _ptr(cutlass.BFloat16), _ptr(cutlass.Float32)
     i32 = _ptr(cutlass.Int32, 4)
-    return cute.compile(kern, bf16, bf16, bf16, i32, i32, f32, f32, cuda.CUstream(0))
+    stride = cutlass.Int32(2048)  # the block table's row stride: a launch argument
+    return cute.compile(kern, bf16, bf16, bf16, i32, stride, i32, f32, f32, cuda.CUstream(0))
 
 
 def _compile_merge(batch=4, use_pdl=True):
