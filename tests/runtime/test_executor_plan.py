@@ -106,7 +106,6 @@ class FakeMlaImpl:
 
     def __init__(self) -> None:
         self.scale = MLA_SCALE
-        self.calls: list[tuple] = []
 
     def __getattr__(self, name):
         raise AssertionError(f"the executor used the stock MLA impl's {name!r}")
