@@ -622,6 +622,11 @@ class KimiLinearDecodeExecutor:
         self._no_block_table = torch.zeros(
             self.max_tokens, 1, dtype=torch.int32, device=self.device
         )
+        # Asked by the runner every step (attention_layers_built_by_model).
+        self._model_built_layers = tuple(
+            [kda.name for kda in self._kda_layers()]
+            + [mla.name for mla in self._mla_layers()]
+        )
         # The split partials of the attention, shared by the MLA layers (they
         # run one after another on one stream).
         mla_layers = self._mla_layers()
@@ -1146,8 +1151,7 @@ class KimiLinearDecodeExecutor:
         cache blocks with the sequence lengths beside it."""
         if not self.serves(cudagraph_mode, descriptor):
             return ()
-        layers = [kda.name for kda in self._kda_layers()]
-        return tuple(layers + [mla.name for mla in self._mla_layers()])
+        return self._model_built_layers
 
     def step_applies(
         self,
