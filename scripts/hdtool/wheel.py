@@ -598,6 +598,23 @@ def _check_relabel(pin: Pin, wheel: Path, archive: zipfile.ZipFile, up: Upstream
             raise HdError(f"{wheel}: {path} differs from the relabelled upstream file")
 
 
+def stale_install(pin: Pin, package_dir: Path) -> str | None:
+    """Why the vllm package installed at ``package_dir`` is not a build of this checkout
+    (no build-info module: stock vLLM; another FINGERPRINT: built from other patches,
+    overlay or kernels), or None when it is."""
+    info = package_dir.parent / pin.build_info_module
+    if not info.is_file():
+        return f"the vllm at {package_dir} carries no patch set (no {pin.build_info_module})"
+    found = read_build_info(info.read_text(), str(info)).get("FINGERPRINT")
+    expected = fingerprint(pin)
+    if found != expected:
+        return (
+            f"the vllm at {package_dir} was built from another tree (FINGERPRINT "
+            f"{str(found)[:16]}..., this checkout {expected[:16]}...)"
+        )
+    return None
+
+
 def _check_build_info(pin: Pin, wheel: Path, archive: zipfile.ZipFile) -> str:
     if pin.build_info_module not in archive.NameToInfo:
         raise HdError(f"{wheel}: no {pin.build_info_module}")

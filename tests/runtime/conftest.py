@@ -3,12 +3,30 @@ and must be imported before anything else imports vllm."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from engine_configs import BASE_ENGINE_ARGS, write_model_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """These tests import the installed vllm (the overlay as the wheel placed it): stop
+    before they test another tree's code (an edit since the last `make venv`)."""
+    from hdtool.pin import Pin
+    from hdtool.wheel import stale_install
+
+    spec = importlib.util.find_spec("vllm")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return  # the imports fail on their own, naming vllm
+    package = Path(next(iter(spec.submodule_search_locations)))
+    reason = stale_install(Pin.load(ROOT), package)
+    if reason:
+        pytest.exit(f"{reason}: run `make venv` (or `make test-runtime`)", returncode=4)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from tests.tooling.wheel_helpers import (
 )
 
 from hdtool.pin import HdError, fingerprint
-from hdtool.wheel import build_wheel, read_version_module, verify_wheel
+from hdtool.wheel import build_wheel, read_version_module, stale_install, verify_wheel
 from hdtool.wheelfile import record_hash
 
 DIST_INFO = "vllm-0.26.0+hd.1.dist-info"
@@ -222,6 +222,17 @@ def test_verify_catches_a_stale_fingerprint(project: Project) -> None:
     project.write("kernels/ops/rmsnorm.py", "EPS = 1e-5\n")
     with pytest.raises(HdError, match=r"built from a different patch set"):
         verify_wheel(project.pin, wheel, project.upstream_wheel)
+
+
+def test_an_install_of_another_tree_is_named_stale(project: Project, tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    with zipfile.ZipFile(build(project)) as archive:
+        archive.extractall(site)
+    assert stale_install(project.pin, site / "vllm") is None
+    project.write("kernels/ops/rmsnorm.py", "EPS = 1e-5\n")  # edited since the build
+    assert "built from another tree" in stale_install(project.pin, site / "vllm")
+    (site / project.pin.build_info_module).unlink()  # stock vLLM
+    assert "carries no patch set" in stale_install(project.pin, site / "vllm")
 
 
 def test_patches_create_delete_and_skip_non_vllm_parts(project: Project) -> None:
