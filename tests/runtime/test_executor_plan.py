@@ -102,10 +102,21 @@ MLA_SCALE = (NOPE + ROPE) ** -0.5
 
 
 class FakeMlaImpl:
-    """vLLM's backend impl: the executor reads its scale and calls nothing on it."""
+    """vLLM's backend impl: the executor reads its scale and calls only
+    FlashAttention-3's decode on it (graphs above MLA_OWN_ATTENTION_MAX_BATCH)."""
 
     def __init__(self) -> None:
         self.scale = MLA_SCALE
+        self.calls: list[tuple] = []
+
+    def forward_mqa(self, q, kv_cache, metadata, layer):
+        ql_nope, q_pe = q
+        batch = ql_nope.shape[0]
+        assert ql_nope.shape == (batch, HEADS, LORA) and q_pe.shape == (batch, HEADS, ROPE)
+        assert layer.impl is self and kv_cache is layer.kv_cache
+        out = torch.ones(batch, HEADS, LORA)
+        self.calls.append(("forward_mqa", (ql_nope, q_pe), metadata, out))
+        return out, None
 
     def __getattr__(self, name):
         raise AssertionError(f"the executor used the stock MLA impl's {name!r}")
@@ -297,7 +308,8 @@ class FakeKernels(decode.KernelFactory):
         return kernel
 
     def mla_attention_workspace(self, num_heads, lora, device, max_batch):
-        assert (num_heads, lora, max_batch) == (HEADS, LORA, 16)
+        # Sized for the graphs that run the own attention only.
+        assert (num_heads, lora, max_batch) == (HEADS, LORA, decode.MLA_OWN_ATTENTION_MAX_BATCH)
         return torch.empty(64, dtype=torch.float32, device=device)
 
     def mla_attention(self, kv_cache, num_heads, scale, rope, workspace):
@@ -329,11 +341,16 @@ def spec_config(batch_sizes=(1, 2, 4, 8, 16, 32, 64)) -> SpecializedDecodeConfig
     )
 
 
-def build(model=None, **kwargs):
+def build(model=None, batch_sizes=None, **kwargs):
     kernels = FakeKernels()
     model = model or stand_in_model()
-    executor = decode.KimiLinearDecodeExecutor(model, spec_config(), kernels, **kwargs)
+    config = spec_config() if batch_sizes is None else spec_config(batch_sizes)
+    executor = decode.KimiLinearDecodeExecutor(model, config, kernels, **kwargs)
     return model, executor, kernels
+
+
+def own_attention(batch: int) -> bool:
+    return batch <= decode.MLA_OWN_ATTENTION_MAX_BATCH
 
 
 def allocate_caches(model: nn.Module, slots: int = 5, blocks: int = 3) -> None:
@@ -381,8 +398,13 @@ def mla_metadata(batch: int, common: bool) -> SimpleNamespace:
 
 
 def forward_context(
-    model: nn.Module, batch: int, mla_common: bool = True, **overrides: Any
+    model: nn.Module, batch: int, mla_common: bool | None = None, **overrides: Any
 ) -> SimpleNamespace:
+    """The step's forward context as the patched runner sets it: by default the
+    MLA layer gets the common metadata where the executor names it (graphs of
+    the own attention) and FlashAttnMLA's metadata otherwise."""
+    if mla_common is None:
+        mla_common = own_attention(batch)
     metadata, slot_mapping = {}, {}
     groups = [kda_common_metadata(g, batch) for g in sorted(set(KDA_GROUP.values()))]
     for i, layer in enumerate(model.model.layers):
@@ -520,7 +542,7 @@ def test_bind_reads_every_kda_state_and_an_empty_cache_unbinds():
     assert all(k.bound["kv_cache"] is mla_cache for k in kernels.built[-2:])
     attention = kernels.built[-1].bound
     assert attention["scale"] == MLA_SCALE and attention["num_heads"] == HEADS
-    assert attention["workspace"] is executor._mla_workspace
+    assert attention["workspace"] is executor._mla_workspace is not None
     free_caches(model)
     assert not executor.bind_kv_caches() and not executor.is_bound
     assert executor._kda_kernels == {} and executor._mla_cache_kernels == {}
@@ -532,6 +554,19 @@ def test_bind_reads_every_kda_state_and_an_empty_cache_unbinds():
     assert kda[-1].bound["recurrent_state"].shape[0] == 9
     new_cache = model.model.layers[3].self_attn.mla_attn.mla_attn.kv_cache
     assert kernels.built[-1].bound["kv_cache"] is new_cache
+
+
+def test_without_graphs_for_the_own_attention_it_is_neither_built_nor_given_memory():
+    model, executor, kernels = build(batch_sizes=(4, 8))
+    assert executor._mla_workspace is None
+    allocate_caches(model)
+    assert executor.bind_kv_caches()
+    assert [k.kind for k in kernels.built].count("mla_attention") == 0
+    assert executor._mla_attention_kernels == {} and len(executor._mla_cache_kernels) == 1
+    kernels.log.clear()
+    fc = forward_context(model, 8)
+    executor.run(torch.arange(8), torch.arange(8), fc)
+    assert len(model.model.layers[3].self_attn.mla_attn.mla_attn.impl.calls) == 1
 
 
 def test_partially_allocated_caches_are_refused():
@@ -603,8 +638,9 @@ def test_buffers_are_sized_for_the_largest_prepared_batch():
 
 # ------------------------------------------------------------------------ running
 @pytest.mark.parametrize("mla_common", [True, False], ids=["mla-common", "mla-backend"])
-@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 2])
 def test_run_launches_the_plan_on_static_buffers(batch, mla_common):
+    assert own_attention(batch)
     model, executor, kernels = build()
     allocate_caches(model)
     executor.bind_kv_caches()
@@ -614,6 +650,7 @@ def test_run_launches_the_plan_on_static_buffers(batch, mla_common):
     assert out.shape == (batch, HIDDEN)
     assert out.data_ptr() == executor.buffers.rows(executor._output, batch).data_ptr()
     kinds = [entry[0] for entry in kernels.log]
+    assert model.model.layers[3].self_attn.mla_attn.mla_attn.impl.calls == []
     # embedding, first norm; 3 KDA layers' in_proj + o_proj, layer 0's MLP, the MLA
     # layer's qkv_a + o_proj; 3 KDA steps; kv_a norm; 3 MoE.
     assert kinds.count("embedding") == 1 and kinds.count("kda") == 3
@@ -656,6 +693,48 @@ def test_run_launches_the_plan_on_static_buffers(batch, mla_common):
     assert slots is fc.slot_mapping["model.layers.3.self_attn.attn"]
 
 
+@pytest.mark.parametrize("batch", [4, 16])
+def test_larger_graphs_run_flash_attention_3_between_the_absorptions(batch):
+    assert not own_attention(batch)
+    model, executor, kernels = build()
+    allocate_caches(model)
+    executor.bind_kv_caches()
+    kernels.log.clear()
+    fc = forward_context(model, batch)
+    executor.run(torch.arange(batch), torch.arange(batch), fc)
+    kinds = [entry[0] for entry in kernels.log]
+    assert "mla_attention" not in kinds
+    # qkv_a, W_UK, the cache row, (FA3,) W_UV, o_proj, MoE.
+    mla_kinds = kinds[kinds.index("grouped_gemm") - 1 : kinds.index("grouped_gemm") + 5]
+    assert mla_kinds == ["gemm", "grouped_gemm", "mla_cache_row", "grouped_gemm", "gemm", "moe"]
+    impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
+    ((_, (ql_nope, q_pe), metadata, out),) = impl.calls
+    assert metadata is fc.attn_metadata["model.layers.3.self_attn.attn"]
+    w_uk_out = [e for e in kernels.log if e[0] == "grouped_gemm"][0][2][1]
+    w_uv_in = [e for e in kernels.log if e[0] == "grouped_gemm"][1][2][0]
+    assert ql_nope.data_ptr() == w_uk_out.data_ptr()
+    proj = executor.buffers.rows("mla_proj", batch, executor.buffers.widths()["mla_proj"])
+    assert q_pe.data_ptr() == proj.data_ptr() + NOPE * proj.element_size()
+    assert w_uv_in.data_ptr() == out.data_ptr() and w_uv_in.shape == (batch, HEADS, LORA)
+    (cache_row,) = [e for e in kernels.log if e[0] == "mla_cache_row"]
+    assert cache_row[2][1] is fc.slot_mapping["model.layers.3.self_attn.attn"]
+
+
+def test_flash_attention_3_without_the_backend_metadata_is_named_in_the_error():
+    model, executor, _ = build()
+    allocate_caches(model)
+    executor.bind_kv_caches()
+    fc = forward_context(model, 4, mla_common=True)
+    with pytest.raises(RuntimeError, match="FlashAttention-3 needs the MLA backend's metadata"):
+        executor.run(torch.arange(4), None, fc)
+    # The dispatch test raises too, rather than letting the stock forward run.
+    with pytest.raises(RuntimeError, match="FlashAttention-3 needs the MLA backend's metadata"):
+        executor.step_applies(fc, capturing=True)
+    # Graphs of the own attention take either form.
+    assert executor.step_applies(forward_context(model, 2, mla_common=True), capturing=True)
+    assert executor.step_applies(forward_context(model, 2, mla_common=False), capturing=True)
+
+
 def test_run_refuses_unprepared_sizes_and_unbound_caches():
     model, executor, _ = build()
     with pytest.raises(RuntimeError, match="not bound"):
@@ -682,8 +761,13 @@ def test_warmup_launches_every_kernel_on_padding_rows_only():
     assert len(kda_slots) == 3 * len(executor.batch_sizes)
     assert all(int(s.abs().sum()) == 0 for s in kda_slots)
     # The attention compiles on padding rows (length 0): it reads no cache row.
+    # FA3 (larger graphs) needs real metadata and is left out; W_UV still runs.
+    own_sizes = [b for b in executor.batch_sizes if own_attention(b)]
+    assert 0 < len(own_sizes) < len(executor.batch_sizes)
     attention = [e[2] for e in kernels.log if e[0] == "mla_attention"]
-    assert len(attention) == len(executor.batch_sizes)
+    assert len(attention) == len(own_sizes)
+    assert model.model.layers[3].self_attn.mla_attn.mla_attn.impl.calls == []
+    assert [e[0] for e in kernels.log].count("grouped_gemm") == 2 * len(executor.batch_sizes)
     assert all(int(seq_lens.abs().sum()) == 0 for _, _, seq_lens, _, _ in attention)
     # The cache row compiles on padding slots: it writes nothing.
     cache_rows = [e[2][1] for e in kernels.log if e[0] == "mla_cache_row"]
@@ -719,7 +803,7 @@ def test_step_does_not_apply_outside_capture_or_with_prefills():
     fc = forward_context(model, 4)
     assert not executor.step_applies(fc, inputs_embeds=torch.zeros(4, HIDDEN), capturing=True)
     # The MLA layer's metadata says the step has a prefill, in either form.
-    fc = forward_context(model, 4)
+    fc = forward_context(model, 2, mla_common=True)
     fc.attn_metadata["model.layers.3.self_attn.attn"].max_query_len = 2
     assert not executor.step_applies(fc, capturing=True)
     fc = forward_context(model, 4, mla_common=False)
@@ -731,9 +815,14 @@ def test_step_does_not_apply_outside_capture_or_with_prefills():
 def test_the_runner_builds_no_kda_or_mla_metadata_for_the_steps_the_executor_serves():
     model, executor, _ = build()
     full = CUDAGraphMode.FULL
+    kda = [f"model.layers.{i}.self_attn" for i in KDA_GROUP]
+    for batch in executor.batch_sizes:
+        served = BatchDescriptor(num_tokens=batch, num_reqs=batch, uniform=True)
+        # FA3 reads FlashAttnMLA's metadata: the MLA layer is named only where
+        # the own attention runs.
+        mla = ["model.layers.3.self_attn.attn"] if own_attention(batch) else []
+        assert list(executor.attention_layers_built_by_model(full, served)) == kda + mla
     served = BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True)
-    names = [f"model.layers.{i}.self_attn" for i in KDA_GROUP] + ["model.layers.3.self_attn.attn"]
-    assert list(executor.attention_layers_built_by_model(full, served)) == names
     for mode, descriptor in [
         (CUDAGraphMode.PIECEWISE, served),
         (full, BatchDescriptor(num_tokens=4, num_reqs=4)),

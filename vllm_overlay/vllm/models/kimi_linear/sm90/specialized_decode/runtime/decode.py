@@ -19,8 +19,9 @@ Per layer (B rows, one decode token each; seams fused into the epilogues):
   the post-attention RMSNorm.
 * MLA: ``qkv_a`` (q_proj|kv_a_proj_with_mqa, one GEMM); the new latent cache
   row (kv_a_layernorm and the cache write, one kernel); the decode attention
-  over the paged latent cache (a split pass and a merge, in place of vLLM's
-  FlashAttention-3 ``impl.forward_mqa``), between the two per-head
+  over the paged latent cache (for graphs of up to
+  ``MLA_OWN_ATTENTION_MAX_BATCH`` rows a split pass and a merge of kernels/mla,
+  above that vLLM's FlashAttention-3 ``impl.forward_mqa``), between the two per-head
   absorptions (W_UK into the query, W_UV out of the latent), each one grouped
   skinny GEMM over the 32 heads (W_UV read in place, W_UK from a [N, L, P]
   copy); ``o_proj`` with the residual + RMSNorm epilogue.
@@ -54,6 +55,14 @@ logger = init_logger(__name__)
 MAX_PREPARED_TOKENS = 16
 # Extra GPU memory the executor may hold beyond the model's weights (issue 6).
 MAX_EXTRA_BYTES = 2 << 30
+# Graphs of at most this many rows run the MLA decode attention of kernels/mla;
+# larger ones vLLM's FlashAttention-3 MLA decode. Alone on an H200
+# (docs/perf/mla_attention.md, 2026-12-01) the own kernel is ahead of FA3 at
+# B = 1 at every context length measured (512-32K tokens) and about even at
+# B = 2 once FA3's cost to W_UV after it is counted (W_UV cannot start
+# PDL-chained behind FA3), but behind from B = 4 at 4K tokens and more (it
+# stages one cache tile at a time); the bench's short rows do not show that.
+MLA_OWN_ATTENTION_MAX_BATCH = 2
 # PreparedGemm epilogues (kernels/gemm).
 EPILOGUE_PLAIN = "plain"
 EPILOGUE_SILU_MUL = "silu_mul"
@@ -622,22 +631,27 @@ class KimiLinearDecodeExecutor:
         self._no_block_table = torch.zeros(
             self.max_tokens, 1, dtype=torch.int32, device=self.device
         )
-        # Asked by the runner every step (attention_layers_built_by_model).
-        self._model_built_layers = tuple(
-            [kda.name for kda in self._kda_layers()]
-            + [mla.name for mla in self._mla_layers()]
-        )
+        # Asked by the runner every step (attention_layers_built_by_model):
+        # the KDA layers always, the MLA layers where the own attention runs
+        # (FA3 reads the metadata FlashAttnMLA's builder makes).
+        kda_names = tuple(kda.name for kda in self._kda_layers())
+        mla_names = tuple(mla.name for mla in self._mla_layers())
+        self._model_built_layers = {
+            b: kda_names + (mla_names if self._own_mla_attention(b) else ())
+            for b in self.batch_sizes
+        }
         # The split partials of the attention, shared by the MLA layers (they
         # run one after another on one stream).
+        own_sizes = [b for b in self.batch_sizes if self._own_mla_attention(b)]
         mla_layers = self._mla_layers()
         self._mla_workspace = (
             self.kernels.mla_attention_workspace(
                 mla_layers[0].num_heads,
                 mla_layers[0].kv_lora,
                 self.device,
-                self.max_tokens,
+                max(own_sizes),
             )  # fmt: skip
-            if mla_layers
+            if mla_layers and own_sizes
             else None
         )
         # One row per KDA KV-cache group (at most one per KDA layer): the state
@@ -885,7 +899,7 @@ class KimiLinearDecodeExecutor:
         self._plan_gemm(
             i, "mla_qkv_a", mla.qkv_a.weight, x, self.hidden, "mla_proj", width
         )
-        kernels = self.kernels
+        kernels, attn = self.kernels, mla.attn
         w_uk = self._kernel(i, "mla_w_uk", lambda: kernels.grouped_gemm(mla.w_uk))
         w_uv = self._kernel(i, "mla_w_uv", lambda: kernels.grouped_gemm(mla.w_uv))
 
@@ -915,8 +929,25 @@ class KimiLinearDecodeExecutor:
             p = bufs.rows("mla_proj", b, width)
             q = p[:, :q_width].view(b, n, nope + rope)
             ql_nope = bufs.rows("mla_ql_nope", b, n * lora)
-            latent = bufs.rows("mla_latent", b, n * lora)
             up = bufs.rows("attn_out", b, n * v_head)
+            if self._own_mla_attention(b):
+                latent = own_attention(ctx, q, ql_nope)
+            elif ctx.forward_context is None:
+                # Warmup: FA3 needs real metadata; W_UV runs on the scratch rows
+                # (FA3's output has ql_nope's [B, N, L] strides), so it compiles
+                # before capture.
+                latent = ql_nope
+            else:
+                latent = fa3_attention(ctx, q, ql_nope)
+            # W_UV: per head [B, L] x [L, V] -> [B, V], stored as [B, N*V]; it
+            # lets o_proj (PDL) start streaming its weights while it runs.
+            w_uv.run(latent.view(b, n, lora), up)
+
+        def own_attention(
+            ctx: StepContext, q: torch.Tensor, ql_nope: torch.Tensor
+        ) -> torch.Tensor:
+            b = ctx.batch
+            latent = bufs.rows("mla_latent", b, n * lora)
             if ctx.forward_context is None:
                 # Warmup: every row padding (no cache row is read; the output is
                 # zeros), so both launches compile before capture.
@@ -931,9 +962,21 @@ class KimiLinearDecodeExecutor:
             self._mla_attention_kernels[i].run(
                 ql_nope, q[..., nope:], seq_lens, block_table, latent
             )
-            # W_UV: per head [B, L] x [L, V] -> [B, V], stored as [B, N*V]; it
-            # lets o_proj (PDL) start streaming its weights while it runs.
-            w_uv.run(latent.view(b, n, lora), up)
+            return latent
+
+        def fa3_attention(
+            ctx: StepContext, q: torch.Tensor, ql_nope: torch.Tensor
+        ) -> torch.Tensor:
+            b = ctx.batch
+            metadata = _mla_backend_metadata(ctx.forward_context, mla.name)
+            if metadata.num_prefills:
+                raise RuntimeError(f"{mla.name}: not a pure decode batch")
+            # vLLM's FlashAttention-3 MLA decode over the paged latent cache
+            # (the step's own row written by mla_cache_row just before).
+            out, _ = attn.impl.forward_mqa(
+                (ql_nope.view(b, n, lora), q[..., nope:]), attn.kv_cache, metadata, attn
+            )
+            return out
 
         self._step(i, "mla_w_uk", ("mla_proj",), ("mla_ql_nope",), w_uk_launch)
         self._step(i, "mla_cache_row", ("mla_proj",), (), cache_row_launch)
@@ -1000,6 +1043,12 @@ class KimiLinearDecodeExecutor:
     def _kda_layers(self) -> list[KdaLayer]:
         return [la.attn for la in self.layers if isinstance(la.attn, KdaLayer)]
 
+    @staticmethod
+    def _own_mla_attention(batch: int) -> bool:
+        """Whether the graph of ``batch`` rows runs the MLA attention of
+        kernels/mla (else vLLM's FlashAttention-3)."""
+        return batch <= MLA_OWN_ATTENTION_MAX_BATCH
+
     def _mla_layers(self) -> list[MlaLayer]:
         return [la.attn for la in self.layers if isinstance(la.attn, MlaLayer)]
 
@@ -1049,10 +1098,11 @@ class KimiLinearDecodeExecutor:
             self._mla_cache_kernels[mla.index] = self.kernels.mla_cache_row(
                 mla.kv_a_norm.weight, mla.kv_a_norm.eps, mla.attn.kv_cache, mla.qk_rope
             )
-            self._mla_attention_kernels[mla.index] = self.kernels.mla_attention(
-                mla.attn.kv_cache, mla.num_heads, mla.scale, mla.qk_rope,
-                self._mla_workspace,
-            )  # fmt: skip
+            if self._mla_workspace is not None:
+                self._mla_attention_kernels[mla.index] = self.kernels.mla_attention(
+                    mla.attn.kv_cache, mla.num_heads, mla.scale, mla.qk_rope,
+                    self._mla_workspace,
+                )  # fmt: skip
         self._bound = True
         return True
 
@@ -1143,15 +1193,16 @@ class KimiLinearDecodeExecutor:
     def attention_layers_built_by_model(
         self, cudagraph_mode: Any, descriptor: Any
     ) -> tuple[str, ...]:
-        """The KDA and MLA layers, for steps the executor serves: the runner
-        then skips their metadata builds (host time every step; for MLA also
-        FlashAttention-3's scheduling launches, which the decode attention of
-        kernels/mla does not read) and hands them their group's common
+        """The KDA layers, and the MLA layers where the step's graph runs the
+        attention of kernels/mla (``MLA_OWN_ATTENTION_MAX_BATCH``), for steps
+        the executor serves: the runner then skips their metadata builds (host
+        time every step; for MLA also FlashAttention-3's scheduling launches,
+        which kernels/mla does not read) and hands them their group's common
         metadata: the KDA block table holds the state slots, the MLA one the
         cache blocks with the sequence lengths beside it."""
         if not self.serves(cudagraph_mode, descriptor):
             return ()
-        return self._model_built_layers
+        return self._model_built_layers[descriptor.num_tokens]
 
     def step_applies(
         self,
@@ -1178,7 +1229,11 @@ class KimiLinearDecodeExecutor:
             metadata = _layer_metadata(forward_context, kda.name)
             if metadata.max_query_len != 1:
                 return False
+        own_attention = self._own_mla_attention(descriptor.num_tokens)
         for mla in self._mla_layers():
+            if not own_attention:
+                # Raises if the runner skipped the build FA3 reads.
+                _mla_backend_metadata(forward_context, mla.name)
             if _mla_decode_tables(forward_context, mla.name) is None:
                 return False
         return True
@@ -1279,6 +1334,18 @@ def _mla_decode_tables(
     if metadata.num_prefills or metadata.decode is None:
         return None
     return metadata.decode.seq_lens, metadata.decode.block_table
+
+
+def _mla_backend_metadata(forward_context: Any, name: str) -> Any:
+    """The MLA backend's own metadata of a layer, which FlashAttention-3 reads."""
+    metadata = _layer_metadata(forward_context, name)
+    if not hasattr(metadata, "decode"):
+        raise RuntimeError(
+            f"{name}: FlashAttention-3 needs the MLA backend's metadata, got "
+            f"{type(metadata).__name__} (the runner skipped the build of a layer "
+            "the executor did not name in attention_layers_built_by_model)"
+        )
+    return metadata
 
 
 def _layer_slot_mapping(forward_context: Any, name: str) -> torch.Tensor:
