@@ -8,6 +8,10 @@
 #                                        # (HD_E2E_SERVE=0: engines and judging only)
 #   sh ci/gpu/device_session.sh bench-stock        # make bench, roles auto + experts (~7 min)
 #   sh ci/gpu/device_session.sh bench-specialized  # make bench, role latency_specialized (~7 min)
+#   sh ci/gpu/device_session.sh bench-context ROLE  # decode step at 8K / 32K-token contexts
+#                                        # (scripts/bench_decode_context.py), ROLE auto or
+#                                        # latency_specialized, one per call (~5-6 min each;
+#                                        # the second writes decode_context.{json,md})
 #   sh ci/gpu/device_session.sh host-loop [BACKEND[:RUNNER]...]  # host time per decode
 #                                        # step by phase (scripts/profile_host_loop.py,
 #                                        # ~2.5 min per engine), e.g. auto:v2;
@@ -91,6 +95,18 @@ bench-stock)
 bench-specialized)
     bench_role latency_specialized
     ;;
+bench-context)
+    role="${2:?bench-context needs a role: auto or latency_specialized}"
+    mkdir -p /tmp/hd-context
+    timeout 570 python3 scripts/bench_decode_context.py --out-dir /tmp/hd-context \
+        --roles "$role" --triton-cache "$TRITON" > "/tmp/hd-context-$role.log" 2>&1
+    echo "bench-context $role: exit $?"
+    grep -v "Autotuning kernel" "/tmp/hd-context-$role.log" \
+        | grep -E "context=|rror|Traceback|specialized decode:|init engine|wrote" | tail -20
+    grep -v "Autotuning kernel" "/tmp/hd-context-$role.log" | tail -c 2000000 \
+        | gzip > "$OUT/bench-context-$role.log.gz"
+    cp /tmp/hd-context/*.json /tmp/hd-context/*.md "$OUT"/ 2>/dev/null
+    ;;
 host-loop)
     # Host time per decode step by phase, unprofiled, then cProfile (~2.5 min per engine);
     # engines as BACKEND[:RUNNER], default the specialized and the stock one on runner v1.
@@ -136,7 +152,7 @@ upstream-gpu)
     done
     ;;
 *)
-    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|host-loop|save-caches|upstream-gpu" >&2
+    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|bench-context ROLE|host-loop|save-caches|upstream-gpu" >&2
     exit 2
     ;;
 esac
