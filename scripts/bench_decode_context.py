@@ -4,9 +4,13 @@
 `make bench` (scripts/bench_decode.py) starts from 4-token prompts, so its rows stay under
 1030 tokens of context and the MLA attention's cost at long contexts never shows. Here N
 requests with CONTEXT-token prompts start together and generate OUTPUT_TOKENS tokens each
-(greedy, ignore_eos, dummy weights); the step time is the median inter-token latency
-excluding the prefill (as bench_decode.py measures it), median over the runs. One engine
-per backend, each in its own process and, on the offline H200, its own device call:
+(greedy, ignore_eos, dummy weights). The prompts are prefilled one after another, so the
+first requests decode beside the later ones' prefill chunks: only the inter-token latencies
+inside the window where all N requests decode (from the last request's first token to the
+first request's last) are kept (`decode_window_samples`), and the prefill budget per step is
+one whole prompt so that the window is long. Step time = the median of those samples,
+median over the runs. One engine per backend, each in its own process and, on the offline
+H200, its own device call:
 
     python3 scripts/bench_decode_context.py --roles auto               # stock engine
     python3 scripts/bench_decode_context.py --roles latency_specialized
@@ -37,6 +41,38 @@ RUNS = 2
 # One request of this shape first: the engine's first-use work stays out of the timings.
 SETTLE_PROMPT_TOKENS = 1024
 SETTLE_OUTPUT_TOKENS = 32
+# Fewer inter-token samples per request inside the all-decoding window fail the run.
+MIN_WINDOW_STEPS = 32
+
+
+def decode_window_samples(requests: list[list[tuple[float, int]]]) -> list[float]:
+    """Inter-token latencies (s) of every request inside the window where all of them
+    decode: from the last request's first token (its prefill done) to the first
+    request's last token.  ``requests``: per request its streamed chunks (arrival time
+    s, new tokens), as ``bench_decode.stream_batch`` returns them.  A chunk of k tokens
+    gives k samples of dt / k, as ``bench_decode.itl_samples``.  Raises if a request has
+    fewer than MIN_WINDOW_STEPS samples in the window (raise the output length)."""
+    arrivals = [[(t, k) for t, k in chunks if k > 0] for chunks in requests]
+    if any(len(a) < 2 for a in arrivals):
+        raise RuntimeError("a request streamed fewer than two chunks")
+    start = max(a[0][0] for a in arrivals)
+    end = min(a[-1][0] for a in arrivals)
+    samples = []
+    for a in arrivals:
+        inside = [
+            [(t - t_prev) / k] * k
+            for (t_prev, _), (t, k) in zip(a, a[1:])
+            if t_prev >= start and t <= end
+        ]
+        mine = [x for part in inside for x in part]
+        if len(mine) < MIN_WINDOW_STEPS:
+            raise RuntimeError(
+                f"only {len(mine)} inter-token samples of a request fall where all "
+                f"{len(requests)} requests decode (need {MIN_WINDOW_STEPS}): raise "
+                "--output-tokens"
+            )
+        samples += mine
+    return samples
 
 
 def result_path(out_dir: Path, role: str) -> Path:
@@ -56,7 +92,12 @@ def run_backend(model_dir: Path, backend: str, contexts: list[int], ns: list[int
             model=str(model_dir),
             load_format="dummy",
             skip_tokenizer_init=True,
-            max_model_len=max(contexts) + output_tokens + 8,
+            max_model_len=max(*contexts, SETTLE_PROMPT_TOKENS + SETTLE_OUTPUT_TOKENS)
+            + output_tokens
+            + 8,
+            # One whole prompt per step: the prefills end after N steps, not N x
+            # context / 2048 (the default budget), so the all-decoding window is long.
+            max_num_batched_tokens=max(2048, max(contexts)),
             gpu_memory_utilization=0.9,
             max_num_seqs=max(ns),
             enable_prefix_caching=False,
@@ -79,7 +120,7 @@ def run_backend(model_dir: Path, backend: str, contexts: list[int], ns: list[int
                     chunks = await bench_decode.stream_batch(engine, tag, n, context, output_tokens)
                     if any(sum(c for _, c in ch) != output_tokens for ch in chunks):
                         raise RuntimeError(f"{tag}: a request did not get {output_tokens} tokens")
-                    samples = [s for ch in chunks for s in bench_decode.itl_samples(ch)]
+                    samples = decode_window_samples(chunks)
                     medians.append(statistics.median(samples) * 1e3)
                 step_ms.setdefault(str(context), {})[str(n)] = statistics.median(medians)
                 step_ms_runs.setdefault(str(context), {})[str(n)] = medians
@@ -116,8 +157,9 @@ def write_report(out_dir: Path) -> Path | None:
         return None
     data = {
         "method": (
-            "median inter-token latency (prefill excluded) of N requests in flight with "
-            "CONTEXT-token prompts, greedy, ignore_eos, median of the runs; one engine per "
+            "median inter-token latency of N requests with CONTEXT-token prompts inside "
+            "the window where all N decode (no prefill chunk in those steps), greedy, "
+            "ignore_eos, median over the runs (of two: their mean); one engine per "
             "process, dummy weights, seed 0"
         ),
         "summary": summarize(results),
@@ -130,8 +172,13 @@ def write_report(out_dir: Path) -> Path | None:
         lines.append(
             f"- `{role}`: {host['gpu']}, {host['date']}, vLLM `{host['vllm']}`, `{host['command']}`"
         )
-    if len({host["vllm"] for host in data["hosts"].values()}) > 1:
-        lines.append("- **The roles ran different wheels**: the ratios compare them.")
+    if len({host["fingerprint"] for host in data["hosts"].values()}) > 1:
+        lines.append("- **The roles ran different builds**: the ratios compare them.")
+    shapes = {(r["runs"], r["output_tokens"]) for r in results.values()}
+    if len(shapes) > 1:
+        lines.append(
+            f"- **The roles ran different shapes** (runs, output tokens): {sorted(shapes)}."
+        )
     lines += ["", data["method"] + ".", "", "| context | N | stock ms | specialized ms | speedup |"]
     lines.append("|---|---|---|---|---|")
     for context, per_n in data["summary"].items():

@@ -108,6 +108,7 @@ class FakeMlaImpl:
     def __init__(self) -> None:
         self.scale = MLA_SCALE
         self.calls: list[tuple] = []
+        self.log: list | None = None  # a FakeKernels log, to see the launch order
 
     def forward_mqa(self, q, kv_cache, metadata, layer):
         ql_nope, q_pe = q
@@ -116,6 +117,8 @@ class FakeMlaImpl:
         assert layer.impl is self and kv_cache is layer.kv_cache
         out = torch.ones(batch, HEADS, LORA)
         self.calls.append(("forward_mqa", (ql_nope, q_pe), metadata, out))
+        if self.log is not None:
+            self.log.append(("forward_mqa", None, (), {}))
         return out, None
 
     def __getattr__(self, name):
@@ -308,8 +311,7 @@ class FakeKernels(decode.KernelFactory):
         return kernel
 
     def mla_attention_workspace(self, num_heads, lora, device, max_batch):
-        # Sized for the graphs that run the own attention only.
-        assert (num_heads, lora, max_batch) == (HEADS, LORA, decode.MLA_OWN_ATTENTION_MAX_BATCH)
+        assert (num_heads, lora, max_batch) == (HEADS, LORA, 16)
         return torch.empty(64, dtype=torch.float32, device=device)
 
     def mla_attention(self, kv_cache, num_heads, scale, rope, workspace):
@@ -699,15 +701,18 @@ def test_larger_graphs_run_flash_attention_3_between_the_absorptions(batch):
     model, executor, kernels = build()
     allocate_caches(model)
     executor.bind_kv_caches()
+    impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
     kernels.log.clear()
+    impl.log = kernels.log
     fc = forward_context(model, batch)
     executor.run(torch.arange(batch), torch.arange(batch), fc)
     kinds = [entry[0] for entry in kernels.log]
     assert "mla_attention" not in kinds
-    # qkv_a, W_UK, the cache row, (FA3,) W_UV, o_proj, MoE.
-    mla_kinds = kinds[kinds.index("grouped_gemm") - 1 : kinds.index("grouped_gemm") + 5]
-    assert mla_kinds == ["gemm", "grouped_gemm", "mla_cache_row", "grouped_gemm", "gemm", "moe"]
-    impl = model.model.layers[3].self_attn.mla_attn.mla_attn.impl
+    # qkv_a, W_UK, the cache row, FA3, W_UV, o_proj, MoE.
+    mla_kinds = kinds[kinds.index("grouped_gemm") - 1 : kinds.index("grouped_gemm") + 6]
+    assert mla_kinds == [
+        "gemm", "grouped_gemm", "mla_cache_row", "forward_mqa", "grouped_gemm", "gemm", "moe"
+    ]  # fmt: skip
     ((_, (ql_nope, q_pe), metadata, out),) = impl.calls
     assert metadata is fc.attn_metadata["model.layers.3.self_attn.attn"]
     w_uk_out = [e for e in kernels.log if e[0] == "grouped_gemm"][0][2][1]
@@ -809,6 +814,9 @@ def test_step_does_not_apply_outside_capture_or_with_prefills():
     fc = forward_context(model, 4, mla_common=False)
     assert executor.step_applies(fc, capturing=True)
     fc.attn_metadata["model.layers.3.self_attn.attn"].num_prefills = 1
+    assert not executor.step_applies(fc, capturing=True)
+    fc = forward_context(model, 4, mla_common=False)
+    fc.attn_metadata["model.layers.3.self_attn.attn"].decode = None
     assert not executor.step_applies(fc, capturing=True)
 
 

@@ -649,7 +649,7 @@ class KimiLinearDecodeExecutor:
                 mla_layers[0].num_heads,
                 mla_layers[0].kv_lora,
                 self.device,
-                max(own_sizes),
+                self.max_tokens,
             )  # fmt: skip
             if mla_layers and own_sizes
             else None
