@@ -16,7 +16,8 @@ Also measured:
   * prefill throughput per backend (PREFILL_REQUESTS prompts of PREFILL_TOKENS
     tokens, one output token each, after PREFILL_WARMUPS untimed batches of the same
     shape): prompt tokens per second, median of max(RUNS, PREFILL_RUNS) batches, ratio
-    specialized / stock;
+    specialized / stock (also of each engine's best batch, since a busy host only
+    slows a batch), and the GPU time of one more batch under the profiler;
   * distinct routed experts per decode step at each N, from an eager stock
     engine with forward hooks on every MoE router (same weights and prompts);
   * where the GPU time of a step at N = 1 goes: every kernel's time per step from a
@@ -65,7 +66,9 @@ RUNS = 3
 PREFILL_REQUESTS = 16
 PREFILL_TOKENS = 1024
 PREFILL_WARMUPS = 2
-PREFILL_RUNS = 5
+# The batches are host-bound (chunked 2048-token steps outside CUDA graphs) and
+# spread by 10-20% on a busy host; 9 per engine keep the median's error small.
+PREFILL_RUNS = 9
 EXPERT_COUNT_STEPS = 64
 # Decode steps of one request traced with the torch profiler after the timed runs
 # (GPU time per kernel name, CUDA-graph replays included): where a step's time goes.
@@ -298,6 +301,27 @@ def prefill_gpu_busy_ms(results: dict) -> dict:
     return {"stock": stock, "specialized": special, "ratio": special / stock}
 
 
+def prefill_rates(results: dict) -> dict:
+    """Each engine's prefill batches (tokens/s): their median, best and spread, and
+    the ratio of the best batches (empty for results without per-batch rates)."""
+    runs = {b: results[b].get("prefill_tokens_per_s_runs") for b in BACKENDS}
+    if not all(runs.values()):
+        return {}
+    engines = {
+        name: {
+            "median": statistics.median(runs[b]),
+            "best": max(runs[b]),
+            "worst": min(runs[b]),
+            "batches": len(runs[b]),
+        }
+        for name, b in (("stock", "auto"), ("specialized", "latency_specialized"))
+    }
+    return {
+        **engines,
+        "ratio_best": engines["specialized"]["best"] / engines["stock"]["best"],
+    }
+
+
 def write_markdown(data: dict, path: Path) -> None:
     s = data["summary"]
     lines = [
@@ -324,6 +348,17 @@ def write_markdown(data: dict, path: Path) -> None:
         f"Prefill throughput, specialized / stock: {s['prefill_throughput_ratio']:.3f}.",
         "",
     ]
+    rates = data.get("prefill_rates") or {}
+    if rates:
+        stock, special = rates["stock"], rates["specialized"]
+        lines += [
+            f"Prefill batches per engine: stock {stock['batches']} (median "
+            f"{stock['median']:.0f} tokens/s, {stock['worst']:.0f}-{stock['best']:.0f}), "
+            f"specialized {special['batches']} (median {special['median']:.0f}, "
+            f"{special['worst']:.0f}-{special['best']:.0f}); best batch specialized / "
+            f"stock: {rates['ratio_best']:.3f}.",
+            "",
+        ]
     prefill_busy = data.get("prefill_gpu_busy_ms") or {}
     if prefill_busy:
         lines += [
@@ -947,6 +982,7 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         "summary": summarize(config, results, experts),
         "gpu_busy_ms": gpu_busy_ms(results),
         "prefill_gpu_busy_ms": prefill_gpu_busy_ms(results),
+        "prefill_rates": prefill_rates(results),
         "runs": results,
         **{
             f"profile_n{n}": {b: results[b].pop(f"profile_n{n}", None) for b in BACKENDS}

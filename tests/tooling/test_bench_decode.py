@@ -92,6 +92,24 @@ def test_report_shows_how_long_the_gpu_waits_at_the_traced_sizes(tmp_path):
     assert "gpu_busy_ms" not in bench.summarize(CONFIG, results, {1: 8.0, 8: 42.5})
 
 
+def test_report_gives_each_engines_prefill_batches_and_their_best_ratio(tmp_path):
+    results = _results()
+    results["auto"]["prefill_tokens_per_s_runs"] = [19_000.0, 17_000.0, 20_000.0]
+    results["latency_specialized"]["prefill_tokens_per_s_runs"] = [18_000.0, 21_000.0]
+    rates = bench.prefill_rates(results)
+    assert rates["stock"] == {"median": 19_000.0, "best": 20_000.0, "worst": 17_000.0, "batches": 3}
+    assert rates["specialized"]["median"] == 19_500.0
+    assert rates["ratio_best"] == pytest.approx(1.05)
+    data = _report()
+    data["prefill_rates"] = rates
+    text = _markdown(data, tmp_path)
+    assert "stock 3 (median 19000 tokens/s, 17000-20000)" in text
+    assert "best batch specialized / stock: 1.050." in text
+    # Results without per-batch rates (older runs): no line.
+    assert bench.prefill_rates(_results()) == {}
+    assert "Prefill batches per engine" not in _markdown(_report(), tmp_path)
+
+
 def test_report_compares_the_prefill_gpu_time_of_both_engines(tmp_path):
     results = _results()
     results["auto"]["prefill_gpu_busy_ms"] = 500.0
