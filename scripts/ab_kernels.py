@@ -75,7 +75,7 @@ def _interleaved(timer, launch_base, launch_new) -> dict:
     return {"base_us": base, "new_us": new, "new_over_base": new / base, "runs_us": runs}
 
 
-def ab_moe(gen) -> list[dict]:
+def ab_moe(gen, m_values=None) -> list[dict]:
     import torch
     from kernels_base.moe.prepared import PreparedMoe as BaseMoe
 
@@ -92,7 +92,7 @@ def ab_moe(gen) -> list[dict]:
                 lay.gate, lay.bias, lay.w13, lay.w2, lay.shared_gate_up, lay.shared_down,
                 bm.TOP_K, bm.SCALE,
             )  # fmt: skip
-        for m in bm.M_VALUES:
+        for m in m_values or bm.M_VALUES:
             x = torch.randn(m, bm.HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
             out_b, out_n = (torch.empty(m, bm.HIDDEN, dtype=x.dtype, device="cuda") for _ in "bn")
             layers[0].base.run(x, out_b)
@@ -235,6 +235,8 @@ def main() -> int:
         sp = sub.add_parser(family, help=f"time {family}: base vs this tree (on an SM90 GPU)")
         sp.add_argument("--out", type=Path, required=True)
         sp.add_argument("--dir", type=Path, default=STAGE_DIR)
+        if family == "moe":
+            sp.add_argument("--m", help="comma-separated token counts (default: bench_moe's)")
     args = ap.parse_args()
     if args.cmd == "stage":
         return stage(args.base, args.dir)
@@ -249,7 +251,10 @@ def main() -> int:
         return 2
     sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(args.dir)]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = {"moe": ab_moe, "kda": ab_kda, "gemm": ab_gemm}[args.cmd](gen)
+    if args.cmd == "moe" and args.m:
+        rows = ab_moe(gen, [int(m) for m in args.m.split(",")])
+    else:
+        rows = {"moe": ab_moe, "kda": ab_kda, "gemm": ab_gemm}[args.cmd](gen)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
         "family": args.cmd,
