@@ -21,6 +21,9 @@ The main loop (``common.skinny_mma``) streams W once with 16-byte loads into
   normalises every row, re-reading them from L2.  That never waits on
   another CTA (for grids whose tiles cannot all be resident at once) and is
   the faster of the two for 1-2 tokens, where the whole-row pass is short.
+  ``residual_sumsq`` stops after the residual and the squares: the sums go to
+  the consumer's buffer (``sumsq_ptr``, one FP32 per token), which reads and
+  re-arms them itself.
 
 Counters and sums of squares are reset by the CTAs that consumed them, so a
 captured CUDA graph can be replayed without any host work.  A launch adds its
@@ -87,7 +90,17 @@ BARRIER_EPOCH_MASK = BARRIER_ABANDONED - 1
 EPILOGUE_PLAIN = "plain"
 EPILOGUE_SILU_MUL = "silu_mul"
 EPILOGUE_RESIDUAL_RMSNORM = "residual_rmsnorm"
-EPILOGUES = (EPILOGUE_PLAIN, EPILOGUE_SILU_MUL, EPILOGUE_RESIDUAL_RMSNORM)
+# The residual add alone, plus the per-token sums of squares the RMSNorm needs,
+# added into a buffer the next kernel owns: that kernel normalises its own
+# input (the MoE router), so no tile waits for the grid's last one.
+EPILOGUE_RESIDUAL_SUMSQ = "residual_sumsq"
+EPILOGUES = (
+    EPILOGUE_PLAIN,
+    EPILOGUE_SILU_MUL,
+    EPILOGUE_RESIDUAL_RMSNORM,
+    EPILOGUE_RESIDUAL_SUMSQ,
+)
+RESIDUAL_EPILOGUES = (EPILOGUE_RESIDUAL_RMSNORM, EPILOGUE_RESIDUAL_SUMSQ)
 
 
 @dataclass(frozen=True)
@@ -164,8 +177,8 @@ class SkinnyGemmKernel:
             raise ValueError(
                 "silu_mul needs the packed gate/up weight (see pack_gate_up)"
             )
-        if epilogue == EPILOGUE_RESIDUAL_RMSNORM and n % CHUNK:
-            raise ValueError(f"residual_rmsnorm needs N % {CHUNK} == 0, got N={n}")
+        if epilogue in RESIDUAL_EPILOGUES and n % CHUNK:
+            raise ValueError(f"{epilogue} needs N % {CHUNK} == 0, got N={n}")
         # silu_mul: the packed weight may carry zero padding rows; out_cols is
         # the caller's real intermediate size (row stride and store bound).
         self.out_cols = out_cols or (n // 2 if epilogue == EPILOGUE_SILU_MUL else n)
@@ -316,7 +329,7 @@ class SkinnyGemmKernel:
         if const_expr(self.norm_by_every_tile):
             # The norm weight never depends on the previous kernel.
             self._load_gamma_rows(gamma_rows, gamma_ptr, tile, quad_row)
-        if const_expr(self.epilogue == EPILOGUE_RESIDUAL_RMSNORM):
+        if const_expr(self.epilogue in RESIDUAL_EPILOGUES):
             # The residual may be the previous kernel's output: loaded right
             # after the wait, with the activations, not after the reduction.
             self.mma.accumulate(
@@ -472,10 +485,13 @@ class SkinnyGemmKernel:
         indices: every load is in bounds, values past M or N are never used)
         and the epoch, which the previous launch may have advanced."""
         n = self.n
-        epoch_in[0] = cute.arch.load(
-            counter_ptr + self.num_tiles + BARRIER_EPOCH, Int32,
-            sem="relaxed", scope="gpu",
-        )  # fmt: skip
+        if const_expr(self.epilogue == EPILOGUE_RESIDUAL_RMSNORM):
+            epoch_in[0] = cute.arch.load(
+                counter_ptr + self.num_tiles + BARRIER_EPOCH, Int32,
+                sem="relaxed", scope="gpu",
+            )  # fmt: skip
+        else:
+            epoch_in[0] = Int32(0)  # the consumer's buffer has no epochs
         residual = cute.make_tensor(
             residual_ptr, cute.make_layout((MAX_TOKENS, n), stride=(n, 1))
         )
@@ -507,11 +523,11 @@ class SkinnyGemmKernel:
         counters = cute.make_tensor(
             counter_ptr, cute.make_layout((self.num_tiles + NORM_COUNTERS,))
         )
-        grid_ticket = counters.iterator + self.num_tiles + GRID_TICKET
         sumsq = cute.make_tensor(
             sumsq_ptr,
             cute.make_layout((SUMSQ_BUFFERS, MAX_TOKENS), stride=(MAX_TOKENS, 1)),
         )
+        # residual_sumsq: epoch 0, so buffer 0 = the consumer's MAX_TOKENS sums.
         buffer = epoch % SUMSQ_BUFFERS
         hidden = cute.make_rmem_tensor((self.values_per_lane,), Float32)
         squares = cute.make_rmem_tensor((self.values_per_lane,), Float32)
@@ -538,6 +554,18 @@ class SkinnyGemmKernel:
                     cute.arch.atomic_add(
                         sumsq.iterator + buffer * MAX_TOKENS + token, s, scope="gpu"
                     )
+        if const_expr(self.epilogue == EPILOGUE_RESIDUAL_RMSNORM):
+            self._ticket_and_normalize(
+                hidden, epoch, buffer, tile, lane, quad_row, quad_lane, m,
+                out_ptr, gamma_rows, counters, sumsq, flag,
+            )  # fmt: skip
+
+    @cute.jit
+    def _ticket_and_normalize(
+        self, hidden, epoch, buffer, tile, lane, quad_row, quad_lane, m, out_ptr,
+        gamma_rows, counters, sumsq, flag,
+    ):  # fmt: skip
+        grid_ticket = counters.iterator + self.num_tiles + GRID_TICKET
         # Release this tile's residual slice and squares, then take a ticket.
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_warp()

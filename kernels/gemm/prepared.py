@@ -28,11 +28,13 @@ from .kernel import (
     CHUNK,
     EPILOGUE_PLAIN,
     EPILOGUE_RESIDUAL_RMSNORM,
+    EPILOGUE_RESIDUAL_SUMSQ,
     EPILOGUE_SILU_MUL,
     EPILOGUES,
     LANES_PER_QUAD,
     MAX_TOKENS,
     NORM_COUNTERS,
+    RESIDUAL_EPILOGUES,
     ROWS_PER_TILE,
     SUMSQ_BUFFERS,
     TOKENS_PER_MMA,
@@ -178,6 +180,10 @@ class PreparedGemm:
       ``"residual_rmsnorm"``: ``h = x @ W^T + residual`` (bf16) is written to
         ``residual_out`` (may alias ``residual``) and
         ``out = rmsnorm(h) * rmsnorm_weight`` with ``eps``.
+      ``"residual_sumsq"``: ``h`` as above to ``residual_out``; no ``out``:
+        ``sum(h[t]**2)`` is added to ``sums[t]`` (FP32 ``[16]``, zero before
+        the launch), and the consumer of ``h`` normalises it and re-arms
+        ``sums`` (``PreparedMoe(input_norm_weight=...)``).
 
     use_pdl: launch with programmatic dependent launch (default): the kernel
     starts loading weights while the preceding kernel of the stream drains and
@@ -232,6 +238,12 @@ class PreparedGemm:
                 raise ValueError(f"residual_rmsnorm needs N % {CHUNK} == 0, got {n}")
             _check_tensor("rmsnorm_weight", rmsnorm_weight, (n,), self.device)
             self.gamma = rmsnorm_weight
+        elif epilogue == EPILOGUE_RESIDUAL_SUMSQ:
+            if rmsnorm_weight is not None:
+                raise ValueError("residual_sumsq leaves the norm to its consumer")
+            if n % CHUNK:
+                raise ValueError(f"residual_sumsq needs N % {CHUNK} == 0, got {n}")
+            self.gamma = weight  # never read; any valid pointer
         elif rmsnorm_weight is not None:
             raise ValueError(
                 f"rmsnorm_weight is only used by {EPILOGUE_RESIDUAL_RMSNORM}"
@@ -335,12 +347,14 @@ class PreparedGemm:
     def run(
         self,
         x: torch.Tensor,
-        out: torch.Tensor,
+        out: torch.Tensor | None,
         residual: torch.Tensor | None = None,
         residual_out: torch.Tensor | None = None,
+        sums: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Launch on the current stream; returns ``out``.  Raises before launch
-        on wrong dtype/shape/device, non-contiguous or misaligned tensors."""
+        """Launch on the current stream; returns ``out`` (``residual_out`` for
+        residual_sumsq, whose ``out`` is None).  Raises before launch on wrong
+        dtype/shape/device, non-contiguous or misaligned tensors."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError("x must be a 2-D [M, K] torch.Tensor")
         m = x.shape[0]
@@ -349,11 +363,26 @@ class PreparedGemm:
         if x.shape[1] != self.k:
             raise ValueError(f"K mismatch: x has K={x.shape[1]}, weight K={self.k}")
         _check_tensor("x", x, (m, self.k), self.device)
-        _check_tensor("out", out, (m, self.out_features), self.device)
         w, g, p, cnt, sq = self._static_ptrs
-        if self.epilogue == EPILOGUE_RESIDUAL_RMSNORM:
+        if self.epilogue == EPILOGUE_RESIDUAL_SUMSQ:
+            if out is not None:
+                raise ValueError("residual_sumsq writes no out: pass out=None")
+            if not isinstance(sums, torch.Tensor) or sums.dtype != torch.float32:
+                raise TypeError("residual_sumsq needs sums, a float32 tensor")
+            if tuple(sums.shape) != (MAX_TOKENS,) or not sums.is_contiguous():
+                raise ValueError(f"sums must be a contiguous [{MAX_TOKENS}] tensor")
+            if sums.device != self.device:
+                raise ValueError(
+                    f"sums is on {sums.device}, the weight on {self.device}"
+                )
+            sq = _ptr(sums, cutlass.Float32)
+        else:
+            if sums is not None:
+                raise ValueError(f"sums is only used by {EPILOGUE_RESIDUAL_SUMSQ}")
+            _check_tensor("out", out, (m, self.out_features), self.device)
+        if self.epilogue in RESIDUAL_EPILOGUES:
             if residual is None or residual_out is None:
-                raise ValueError("residual_rmsnorm needs residual and residual_out")
+                raise ValueError(f"{self.epilogue} needs residual and residual_out")
             _check_tensor("residual", residual, (m, self.out_features), self.device)
             _check_tensor(
                 "residual_out", residual_out, (m, self.out_features), self.device
@@ -362,10 +391,9 @@ class PreparedGemm:
             res_out_ptr = _ptr(residual_out, cutlass.BFloat16)
         else:
             if residual is not None or residual_out is not None:
-                raise ValueError(
-                    f"residual is only used by {EPILOGUE_RESIDUAL_RMSNORM}"
-                )
+                raise ValueError(f"residual is only used by {RESIDUAL_EPILOGUES}")
             res_ptr = res_out_ptr = w  # never read or written
+        out_ptr = res_out_ptr if out is None else _ptr(out, cutlass.BFloat16)
         variant = (m_bucket_for(m), self.norm_by_every_tile(m))
         fn = self._fns.get(variant)
         if fn is None:
@@ -373,10 +401,10 @@ class PreparedGemm:
             fn = self._fns[variant]
         stream = cuda.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         fn(
-            _ptr(x, cutlass.BFloat16), w, _ptr(out, cutlass.BFloat16),
-            res_ptr, res_out_ptr, g, p, cnt, sq, m, stream,
+            _ptr(x, cutlass.BFloat16), w, out_ptr, res_ptr, res_out_ptr, g, p, cnt,
+            sq, m, stream,
         )  # fmt: skip
-        return out
+        return residual_out if out is None else out
 
 
 class PreparedGroupedGemm:

@@ -14,6 +14,12 @@ Four launches per layer, chained with programmatic dependent launch (PDL):
    renormalisation and scaling for every token, and writes a
    routing table: the distinct experts in ascending id ("slots"), each with its
    tokens, and for every (token, choice) the row its expert output will land in.
+   With ``input_norm`` the router takes the residual stream instead of ``x``
+   and applies the RMSNorm itself, from per-token sums of squares the
+   producing GEMM accumulated (``residual_sumsq``): every CTA normalises the
+   rows into shared memory, the first also writes them out as ``x`` for the
+   experts, and the last re-arms the sums.  The producer then needs no grid-wide
+   ticket and whole-row pass between its tiles and the router.
 2. ``MoeExpertKernel("gate_up")``: for every slot (and the shared expert as
    unit 0), ``h = SiLU(x W_gate^T) * (x W_up^T)`` over the slot's tokens.  The
    gate and the up row of an output column are the two 8-row halves of one
@@ -65,6 +71,13 @@ UNROLL_BY_HALVES = {1: 8, 2: 6}
 # The combine kernel loads each token's expert rows in 16-byte halves of a
 # CHUNK of FP32 values.
 Y_HALF = CHUNK // 2
+# The router's input normalisation loads this many 16-byte chunks per thread
+# before using any (one L2 round trip per batch, not per chunk).
+INPUT_NORM_LOADS_IN_FLIGHT = 8
+# Row pitch padding (elements) of the router's normalised rows in shared
+# memory: the 8 quad rows of a warp read 16-byte chunks of 8 different token
+# rows, which a 64-byte skew spreads over distinct banks.
+INPUT_ROW_SKEW = 32
 
 
 def _ordered_key(value: Float32) -> Int32:
@@ -163,6 +176,8 @@ class MoeRouterKernel:
         routed_scaling_factor: float,
         renormalize: bool = True,
         use_pdl: bool = True,
+        input_norm: bool = False,
+        input_eps: float = 1e-5,
     ):
         if num_experts % (ROWS_PER_TILE * 2) or num_experts > 32 * WARP_THREADS:
             raise ValueError(
@@ -175,6 +190,10 @@ class MoeRouterKernel:
         self.scale = routed_scaling_factor
         self.renormalize = renormalize
         self.use_pdl = use_pdl
+        self.input_norm, self.input_eps = input_norm, input_eps
+        if input_norm and hidden % CHUNK:
+            raise ValueError(f"input_norm needs H % {CHUNK} == 0, got H={hidden}")
+        self.input_pitch = hidden + INPUT_ROW_SKEW
         self.halves = halves_for(m_bucket)
         self.tiles = num_experts // ROWS_PER_TILE
         self.threads = warps * WARP_THREADS
@@ -208,9 +227,16 @@ class MoeRouterKernel:
         counter_ptr: cute.Pointer,
         table_ptr: cute.Pointer,
         weight_ptr: cute.Pointer,
+        sums_ptr: cute.Pointer,
+        gamma_ptr: cute.Pointer,
+        normed_ptr: cute.Pointer,
         m: Int32,
         stream: cuda.CUstream,
     ):
+        """With ``input_norm``, ``x_ptr`` is the residual stream ``[m, H]``,
+        ``sums_ptr`` its per-token sums of squares, ``gamma_ptr`` the norm
+        weight and ``normed_ptr`` where the normalised rows go; else the three
+        are never touched."""
         self.kernel(
             x_ptr,
             w_ptr,
@@ -220,6 +246,9 @@ class MoeRouterKernel:
             counter_ptr,
             table_ptr,
             weight_ptr,
+            sums_ptr,
+            gamma_ptr,
+            normed_ptr,
             m,
         ).launch(  # fmt: skip
             grid=[self.tiles, self.split_k, 1],
@@ -233,8 +262,9 @@ class MoeRouterKernel:
         e, k = self.num_experts, self.top_k
         red = self.warps * WARP_THREADS * 4 * self.halves * 4
         select = 4 * (e * MAX_TOKENS + 2 * MAX_TOKENS * k + 2 * e + 2 * self.warps)
+        rows = 2 * self.m_bucket * self.input_pitch if self.input_norm else 0
         # + alignment padding of each allocation
-        return red + select + 4 * WARP_THREADS + 256
+        return red + select + rows + 4 * WARP_THREADS + 256
 
     @cute.kernel
     def kernel(
@@ -247,6 +277,9 @@ class MoeRouterKernel:
         counter_ptr: cute.Pointer,
         table_ptr: cute.Pointer,
         weight_ptr: cute.Pointer,
+        sums_ptr: cute.Pointer,
+        gamma_ptr: cute.Pointer,
+        normed_ptr: cute.Pointer,
         m: Int32,
     ):
         hidden, e = self.hidden, self.num_experts
@@ -289,10 +322,6 @@ class MoeRouterKernel:
         w_chunks = cute.make_tensor(
             w_ptr, cute.make_layout((e, k_chunks, CHUNK), stride=(hidden, CHUNK, 1))
         )
-        x_chunks = cute.make_tensor(
-            x_ptr,
-            cute.make_layout((MAX_TOKENS, k_chunks, CHUNK), stride=(hidden, CHUNK, 1)),
-        )
         row_lo = tile * ROWS_PER_TILE + quad_row
         x_rows = [
             cutlass.min(quad_row + h * TOKENS_PER_MMA, m - 1)
@@ -300,10 +329,35 @@ class MoeRouterKernel:
         ]
         acc = new_accumulators(self.halves)
         first_step = (split * self.warps + warp) * self.mma.steps
-        self.mma.accumulate(
-            acc, w_chunks, row_lo, row_lo + TOKENS_PER_MMA, x_chunks, x_rows,
-            first_step, quad_lane, self.use_pdl,
-        )  # fmt: skip
+        if const_expr(self.input_norm):
+            # The MMAs read the rows this CTA normalised into shared memory.
+            x_chunks = smem.allocate_tensor(
+                BFloat16,
+                cute.make_layout(
+                    (self.m_bucket, k_chunks, CHUNK),
+                    stride=(self.input_pitch, CHUNK, 1),
+                ),
+                16,
+            )
+            self.mma.accumulate(
+                acc, w_chunks, row_lo, row_lo + TOKENS_PER_MMA, x_chunks, x_rows,
+                first_step, quad_lane, self.use_pdl,
+                lambda: self._normalize_input(
+                    tidx, tile, split, m, x_ptr, sums_ptr, gamma_ptr, normed_ptr,
+                    x_chunks,
+                ),
+            )  # fmt: skip
+        else:
+            x_chunks = cute.make_tensor(
+                x_ptr,
+                cute.make_layout(
+                    (MAX_TOKENS, k_chunks, CHUNK), stride=(hidden, CHUNK, 1)
+                ),
+            )
+            self.mma.accumulate(
+                acc, w_chunks, row_lo, row_lo + TOKENS_PER_MMA, x_chunks, x_rows,
+                first_step, quad_lane, self.use_pdl,
+            )  # fmt: skip
         total = cute.make_rmem_tensor((vals,), Float32)
         self.mma.reduce_warps(acc, total, red, warp, lane, self.warps)
         if warp == 0:
@@ -313,10 +367,70 @@ class MoeRouterKernel:
             )  # fmt: skip
         cute.arch.sync_threads()
         if flag[0] == 1:
+            if const_expr(self.input_norm):  # noqa: SIM102
+                # Every CTA read the sums before its ticket: re-arm them for
+                # the producer's next launch.
+                if tidx < MAX_TOKENS:
+                    sums = cute.make_tensor(sums_ptr, cute.make_layout((MAX_TOKENS,)))
+                    sums[tidx] = Float32(0.0)
             self._route(
                 tidx, warp, lane, m, bias_ptr, logits_ptr, counter_ptr, table_ptr,
                 weight_ptr, scores, choice, expert_mask, expert_row0, warp_totals,
             )  # fmt: skip
+
+    @cute.jit
+    def _normalize_input(
+        self, tidx, tile, split, m, residual_ptr, sums_ptr, gamma_ptr, normed_ptr,
+        rows,
+    ):  # fmt: skip
+        """``rows[t] = rmsnorm(residual[t]) * gamma`` for t < m (bf16, rounded
+        as the GEMM's residual_rmsnorm epilogue does), from the producer's
+        sums of squares; CTA (0, 0) also stores them to ``normed_ptr``.  Runs
+        right after ``griddepcontrol.wait``; ends with a barrier."""
+        hidden = self.hidden
+        k_chunks = hidden // CHUNK
+        chunks = cute.make_layout(
+            (MAX_TOKENS, k_chunks, CHUNK), stride=(hidden, CHUNK, 1)
+        )
+        residual = cute.make_tensor(residual_ptr, chunks)
+        normed = cute.make_tensor(normed_ptr, chunks)
+        gamma = cute.make_tensor(
+            gamma_ptr, cute.make_layout((k_chunks, CHUNK), stride=(CHUNK, 1))
+        )
+        iters = ceil_div(self.m_bucket * k_chunks, self.threads)
+        for start in cutlass.range_constexpr(0, iters, INPUT_NORM_LOADS_IN_FLIGHT):
+            batch = min(INPUT_NORM_LOADS_IN_FLIGHT, iters - start)
+            hs = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
+            gs = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
+            sq = cute.make_rmem_tensor((batch,), Float32)
+            for j in cutlass.range_constexpr(batch):
+                item = tidx + (start + j) * self.threads
+                token = item // k_chunks
+                chunk = item % k_chunks
+                if token < m:
+                    cute.autovec_copy(residual[token, chunk, None], hs[j])
+                    cute.autovec_copy(gamma[chunk, None], gs[j])
+                    # The sums were added with atomics: read them from L2.
+                    sq[j] = cute.arch.load(
+                        sums_ptr + token, Float32, sem="relaxed", scope="gpu"
+                    )
+            for j in cutlass.range_constexpr(batch):
+                item = tidx + (start + j) * self.threads
+                token = item // k_chunks
+                chunk = item % k_chunks
+                if token < m:
+                    scale = cute.math.rsqrt(
+                        sq[j] / Float32(hidden) + Float32(self.input_eps)
+                    )
+                    res = cute.make_rmem_tensor((CHUNK,), BFloat16)
+                    for e in cutlass.range_constexpr(CHUNK):
+                        unit = (hs[j][e].to(Float32) * scale).to(BFloat16)
+                        res[e] = (unit.to(Float32) * gs[j][e].to(Float32)).to(BFloat16)
+                    cute.autovec_copy(res, rows[token, chunk, None])
+                    if tile == 0:  # noqa: SIM102 (run-time `and` does not lower)
+                        if split == 0:
+                            cute.autovec_copy(res, normed[token, chunk, None])
+        cute.arch.sync_threads()
 
     @cute.jit
     def _publish_logits(

@@ -136,6 +136,13 @@ class PreparedMoe:
     ``residual_out = residual + y`` (bf16), ``out = rmsnorm(residual_out) *
     rmsnorm_weight`` (the MoE -> next-layer input-norm seam); else
     ``out = y``.
+
+    With ``input_norm_weight`` (needs ``rmsnorm_weight``) the block also does
+    the norm before it (the attention -> MoE seam): the router reads
+    ``residual`` and ``input_sums`` (per-token sums of squares of
+    ``residual``, which a ``residual_sumsq`` GEMM adds up; the router re-arms
+    them to zero) and writes ``x = rmsnorm(residual) * input_norm_weight``,
+    which the experts then read: ``x`` is an output of ``run`` then.
     """
 
     def __init__(
@@ -153,6 +160,8 @@ class PreparedMoe:
         eps: float = 1e-5,
         use_pdl: bool = True,
         config: MoeConfig | None = None,
+        input_norm_weight: torch.Tensor | None = None,
+        input_eps: float = 1e-5,
     ):
         if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
             raise ValueError("w13 must be a 3-D [E, 2*I, H] torch.Tensor")
@@ -211,6 +220,20 @@ class PreparedMoe:
         if rmsnorm_weight is not None:
             _check("rmsnorm_weight", rmsnorm_weight, (hidden,), bf16, self.device)
         self.gamma = rmsnorm_weight
+        if input_norm_weight is not None:
+            if rmsnorm_weight is None:
+                raise ValueError(
+                    "input_norm_weight needs rmsnorm_weight: the block's residual "
+                    "is the input it normalises"
+                )
+            _check("input_norm_weight", input_norm_weight, (hidden,), bf16, self.device)
+        self.input_gamma, self.input_eps = input_norm_weight, input_eps
+        # The producer's per-token sums of squares (zero between launches).
+        self.input_sums = torch.zeros(
+            MAX_TOKENS if input_norm_weight is not None else 4,
+            dtype=torch.float32,
+            device=self.device,
+        )
 
         table = RoutingTable(num_experts, top_k)
         self.split_k, self.router_steps = router_split(hidden)
@@ -229,7 +252,7 @@ class PreparedMoe:
         self.y = torch.empty(table.max_rows, hidden, dtype=f32, device=dev)
         buffers = (
             self.partials, self.logits, self.counters, self.table,
-            self.route_weights, self.h, self.y, self.bias,
+            self.route_weights, self.h, self.y, self.bias, self.input_sums,
         )  # fmt: skip
         self.workspace_bytes = sum(b.numel() * b.element_size() for b in buffers)
         # No weight is copied or repacked.
@@ -246,7 +269,7 @@ class PreparedMoe:
             MoeRouterKernel(
                 s.hidden, s.num_experts, s.top_k, bucket, self.split_k,
                 ROUTER_WARPS, self.router_steps, self.scale, self.renormalize,
-                self.use_pdl,
+                self.use_pdl, self.input_gamma is not None, self.input_eps,
             ),
             MoeExpertKernel(
                 STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
@@ -266,6 +289,7 @@ class PreparedMoe:
         return (
             self.shape, bucket, self.split_k, self.scale, self.renormalize,
             self.gamma is not None, self.eps, self.use_pdl, self.config,
+            self.input_gamma is not None, self.input_eps,
         )  # fmt: skip
 
     def compile(self, buckets=M_BUCKETS) -> dict[int, float]:
@@ -287,7 +311,7 @@ class PreparedMoe:
                         router, x, _ptr(self.gate_weight, bf16),
                         _ptr(self.bias, f32), _ptr(self.partials, f32),
                         _ptr(self.logits, f32), _ptr(self.counters, i32), tab,
-                        wts, m, stream,
+                        wts, _ptr(self.input_sums, f32), x, x, m, stream,
                     ),
                     cute.compile(
                         gate_up, x, w13, w13, tab, x, m, stream
@@ -324,7 +348,9 @@ class PreparedMoe:
         residual_out: torch.Tensor | None = None,
     ) -> tuple:
         """The four launches of ``run`` (router, gate_up, down, combine) as
-        callables, validated and bound; benchmarks time prefixes of them."""
+        callables, validated and bound; benchmarks time prefixes of them.
+        With ``input_norm_weight``, ``x`` is written (the normalised
+        ``residual``) before the experts read it."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2:
             raise ValueError("x must be a 2-D [M, H] torch.Tensor")
         m, hidden = x.shape[0], self.shape.hidden
@@ -362,10 +388,20 @@ class PreparedMoe:
             _ptr(self.shared_gate_up, bf),
             _ptr(self.shared_down, bf),
         )
+        if self.input_gamma is not None:
+            if x.data_ptr() == residual.data_ptr():
+                raise ValueError("x (written) must not alias residual")
+            router_in = res
+            input_norm = (
+                _ptr(self.input_sums, f32), _ptr(self.input_gamma, bf), x_ptr,
+            )  # fmt: skip
+        else:
+            router_in = x_ptr
+            input_norm = (_ptr(self.input_sums, f32), x_ptr, x_ptr)  # never touched
         router_args = (
-            x_ptr, _ptr(self.gate_weight, bf), _ptr(self.bias, f32),
+            router_in, _ptr(self.gate_weight, bf), _ptr(self.bias, f32),
             _ptr(self.partials, f32), _ptr(self.logits, f32),
-            _ptr(self.counters, i32), tab, wts, m, stream,
+            _ptr(self.counters, i32), tab, wts, *input_norm, m, stream,
         )  # fmt: skip
         out_ptr = _ptr(out, bf)
         return (

@@ -207,6 +207,55 @@ def test_residual_rmsnorm_in_place_and_repeated(name):
     assert float(prepared.sumsq.view(2, 16)[epoch % 2].abs().sum()) == 0.0
 
 
+@pytest.mark.parametrize("name", ["kda_o_proj", "shared_down", "ragged_n"])
+def test_residual_sumsq_writes_the_residual_and_adds_the_squares(name):
+    """The residual add alone, its per-token sums of squares added into the
+    caller's buffer (split-K for o_proj, one CTA per tile for 2304 x 1024, a
+    ragged N); nothing else is written and the tickets re-arm."""
+    w = _weight(name)
+    n, k = w.shape  # ragged_n: N a multiple of 8, not of the 16-row tile
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    prepared = PreparedGemm(w, "residual_sumsq")
+    sums = torch.zeros(16, dtype=torch.float32, device="cuda")
+    for m in (1, 4, 16, 2):
+        x, _, _, _ = _inputs("plain", m, n, k, gen)
+        residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+        residual_out = torch.full_like(residual, float("nan"))
+        sums.zero_()
+        sums[m:] = 7.0  # rows past M are not touched
+        got = prepared.run(x, None, residual=residual, residual_out=residual_out, sums=sums)
+        assert got is residual_out
+        _, ref_hidden = _reference("residual_rmsnorm", x, w, residual, torch.ones(n, device="cuda"))
+        torch.cuda.synchronize()
+        _close(residual_out, ref_hidden, f"{name} residual_sumsq M={m}")
+        # The sums are of the stored bf16 residual, in FP32 (any order).
+        ref_sums = residual_out.float().pow(2).sum(dim=-1)
+        torch.testing.assert_close(sums[:m], ref_sums, rtol=1e-5, atol=0.0)
+        assert bool((sums[m:] == 7.0).all())
+    assert int(prepared.counters.abs().sum()) == 0
+
+
+def test_residual_sumsq_checks_its_arguments():
+    w = _weight("shared_down")
+    prepared = PreparedGemm(w, "residual_sumsq")
+    x = torch.zeros(2, w.shape[1], device="cuda", dtype=torch.bfloat16)
+    res = torch.zeros(2, w.shape[0], device="cuda", dtype=torch.bfloat16)
+    sums = torch.zeros(16, device="cuda")
+    with pytest.raises(ValueError, match="writes no out"):
+        prepared.run(x, res, residual=res, residual_out=res.clone(), sums=sums)
+    with pytest.raises(TypeError, match="needs sums"):
+        prepared.run(x, None, residual=res, residual_out=res.clone())
+    with pytest.raises(ValueError, match=r"contiguous \[16\]"):
+        prepared.run(x, None, residual=res, residual_out=res.clone(), sums=sums[:8])
+    with pytest.raises(ValueError, match="needs residual"):
+        prepared.run(x, None, sums=sums)
+    with pytest.raises(ValueError, match="leaves the norm"):
+        PreparedGemm(w, "residual_sumsq", rmsnorm_weight=torch.ones_like(res[0]))
+    plain = PreparedGemm(w)
+    with pytest.raises(ValueError, match="sums is only used"):
+        plain.run(x, res.clone(), sums=sums)
+
+
 def test_plain_is_deterministic_with_split_k():
     w = _weight("mla_kv_a_proj")  # small N: split across CTAs
     cfg = choose_config(

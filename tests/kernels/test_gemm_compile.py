@@ -34,6 +34,8 @@ VARIANTS = [
     (2304, 1024, 16, "residual_rmsnorm", 4, 1, 6, None, False),  # last-tile norm
     (576, 2304, 16, "residual_rmsnorm", 4, 6, 6, None, False),  # split-K + grid ticket
     (2304, 4096, 8, "residual_rmsnorm", 4, 4, 8, None, True),  # split-K + barrier
+    (2304, 4096, 16, "residual_sumsq", 4, 4, 6, None, False),  # split-K, sums only
+    (2304, 1024, 8, "residual_sumsq", 4, 1, 8, None, False),  # sums only
     (2008, 1024, 16, "residual_rmsnorm", 4, 1, 6, None, True),  # ragged N + barrier
     (2016, 2312, 8, "silu_mul", 4, 2, 8, 1004, False),  # ragged K, padded I
     (1000, 2328, 16, "plain", 2, 1, 6, None, False),  # ragged N and K

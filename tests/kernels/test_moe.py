@@ -55,6 +55,7 @@ def experts():
         "shared_gate_up": randn(2 * INTER, HIDDEN, std=HIDDEN**-0.5),
         "shared_down": randn(HIDDEN, INTER, std=INTER**-0.5),
         "gamma": (1.0 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).to(bf16),
+        "input_gamma": (1.0 + 0.1 * torch.randn(HIDDEN, generator=g, device="cuda")).to(bf16),
     }
 
 
@@ -222,6 +223,130 @@ def test_graph_replays_are_bit_identical(experts, m):
         torch.cuda.synchronize()
         assert torch.equal(out, first_out), f"replay {i}: output changed"
         assert torch.equal(residual_out, first_res), f"replay {i}: residual changed"
+
+
+def _prepare_input_norm(experts, gate, bias):
+    return PreparedMoe(
+        gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+        experts["shared_down"], TOP_K, SCALE, rmsnorm_weight=experts["gamma"],
+        eps=EPS, input_norm_weight=experts["input_gamma"], input_eps=EPS,
+    )  # fmt: skip
+
+
+def _normed_reference(residual, gamma):
+    """RMSNorm rounded as the kernels round it: bf16 after the scale, then
+    after gamma (vLLM's rms_norm does the same)."""
+    r = residual.float()
+    rstd = torch.rsqrt(r.pow(2).sum(dim=-1, keepdim=True) / HIDDEN + EPS)
+    return ((r * rstd).to(torch.bfloat16).float() * gamma.float()).to(torch.bfloat16)
+
+
+def _assert_within_one_bf16_ulp(got, ref, what):
+    ulp = torch.finfo(torch.bfloat16).eps * ref.float().abs().clamp_min(2**-20)
+    excess = ((got.float() - ref.float()).abs() - ulp).max().item()
+    assert excess <= 0, f"{what}: off by more than one bf16 ulp ({excess:.2e})"
+
+
+@pytest.mark.parametrize("m", [1, 5, 8, 16])
+def test_router_normalises_the_residual_itself(experts, m):
+    """input_norm: the router reads the residual and the producer's sums of
+    squares, writes x = rmsnorm(residual) * gamma (one bf16 ulp of the
+    reference; the rsqrt is the hardware's), routes on it, and re-arms the
+    sums; the block's output matches the reference from that x."""
+    _, gate, bias = _routing_case("random", m, seed=900 + m)
+    moe = _prepare_input_norm(experts, gate, bias)
+    g = torch.Generator(device="cuda").manual_seed(950 + m)
+    residual = (2 * torch.randn(m, HIDDEN, generator=g, device="cuda")).to(torch.bfloat16)
+    moe.input_sums[:m] = residual.float().pow(2).sum(dim=-1)
+    x = torch.full_like(residual, float("nan"))
+    out = torch.empty_like(residual)
+    residual_out = torch.empty_like(residual)
+    moe.run(x, out, residual, residual_out)
+    torch.cuda.synchronize()
+    _assert_within_one_bf16_ulp(x, _normed_reference(residual, experts["input_gamma"]), "x")
+    assert float(moe.input_sums.abs().sum()) == 0.0, "sums not re-armed"
+    ids, weights = _check_routing(moe, x, gate, bias, m)
+    w = experts
+    normed, hidden = moe_reference(
+        x, ids, weights, w["w13"], w["w2"], w["shared_gate_up"], w["shared_down"],
+        residual, w["gamma"], EPS,
+    )  # fmt: skip
+    _assert_close(residual_out, hidden, "residual_out")
+    _assert_close(out, normed, "normed output")
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_residual_sumsq_then_router_norm_equals_the_gemm_norm(experts, m):
+    """The seam as the executor runs it: o_proj (2304 x 4096) with
+    residual_sumsq into the MoE's input_sums, then the MoE normalising, against
+    o_proj with the residual + RMSNorm epilogue and the MoE on its output."""
+    from kernels.gemm.prepared import PreparedGemm
+
+    _, gate, bias = _routing_case("random", m, seed=1000 + m)
+    g = torch.Generator(device="cuda").manual_seed(1050 + m)
+    bf16 = torch.bfloat16
+    w_o = (torch.randn(HIDDEN, 4096, generator=g, device="cuda") / 64).to(bf16)
+    attn = torch.randn(m, 4096, generator=g, device="cuda").to(bf16)
+    residual = torch.randn(m, HIDDEN, generator=g, device="cuda").to(bf16)
+
+    o_sums = PreparedGemm(w_o, "residual_sumsq")
+    moe_norm = _prepare_input_norm(experts, gate, bias)
+    res_a, x_a, out_a, res_out_a = (torch.empty_like(residual) for _ in range(4))
+    o_sums.run(attn, None, residual, res_a, sums=moe_norm.input_sums)
+    moe_norm.run(x_a, out_a, res_a, res_out_a)
+
+    o_norm = PreparedGemm(w_o, "residual_rmsnorm", rmsnorm_weight=experts["input_gamma"])
+    moe = _prepare(experts, gate, bias, fused=True)
+    res_b, x_b, out_b, res_out_b = (torch.empty_like(residual) for _ in range(4))
+    o_norm.run(attn, x_b, residual, res_b)
+    moe.run(x_b, out_b, res_b, res_out_b)
+    torch.cuda.synchronize()
+    assert torch.equal(res_a, res_b), "o_proj's residual differs between epilogues"
+    # Same formula; only the order of the atomically added sums may differ.
+    _assert_within_one_bf16_ulp(x_a, x_b, "normed x")
+    _assert_close(out_a, out_b, "output")
+    _assert_close(res_out_a, res_out_b, "residual_out")
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_input_norm_graph_replays_are_bit_identical(experts, m):
+    _, gate, bias = _routing_case("random", m, seed=1100 + m)
+    moe = _prepare_input_norm(experts, gate, bias)
+    g = torch.Generator(device="cuda").manual_seed(1150 + m)
+    residual = torch.randn(m, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    sums = residual.float().pow(2).sum(dim=-1)
+    x, out, residual_out = (torch.empty_like(residual) for _ in range(3))
+
+    def step():
+        moe.input_sums[:m].copy_(sums)  # what the producing GEMM adds
+        moe.run(x, out, residual, residual_out)
+
+    step()  # compile + warm up outside the graph
+    torch.cuda.synchronize()
+    first = (x.clone(), out.clone(), residual_out.clone())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for i in range(300):
+        for t in (x, out, residual_out):
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want, what in zip((x, out, residual_out), first, ("x", "out", "residual")):
+            assert torch.equal(got, want), f"replay {i}: {what} changed"
+
+
+def test_input_norm_bad_arguments(experts):
+    _, gate, bias = _routing_case("random", 1, seed=1)
+    with pytest.raises(ValueError, match="needs rmsnorm_weight"):
+        PreparedMoe(
+            gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+            experts["shared_down"], TOP_K, SCALE, input_norm_weight=experts["gamma"],
+        )  # fmt: skip
+    moe = _prepare_input_norm(experts, gate, bias)
+    r = torch.zeros(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="must not alias residual"):
+        moe.run(r, torch.empty_like(r), r, torch.empty_like(r))
 
 
 def test_binds_weights_in_place(experts):

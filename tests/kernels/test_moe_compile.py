@@ -46,11 +46,42 @@ BF16, F32, I32 = _ptr(cutlass.BFloat16), _ptr(cutlass.Float32), _ptr(cutlass.Int
 M, STREAM = cutlass.Int32(1), cuda.CUstream(0)
 
 
+def _compile_router(kern):
+    return cute.compile(kern, BF16, BF16, F32, F32, F32, I32, I32, F32, F32, BF16, BF16, M, STREAM)
+
+
 @pytest.mark.parametrize("bucket", [1, 16])
-def test_router_compiles(bucket):
+@pytest.mark.parametrize("input_norm", [False, True])
+def test_router_compiles(bucket, input_norm):
     split, steps = router_split(HIDDEN)
-    kern = MoeRouterKernel(HIDDEN, EXPERTS, TOP_K, bucket, split, ROUTER_WARPS, steps, 2.446)
-    assert cute.compile(kern, BF16, BF16, F32, F32, F32, I32, I32, F32, M, STREAM)
+    kern = MoeRouterKernel(
+        HIDDEN, EXPERTS, TOP_K, bucket, split, ROUTER_WARPS, steps, 2.446,
+        input_norm=input_norm,
+    )  # fmt: skip
+    assert _compile_router(kern)
+
+
+def _router_with_input_norm(bucket):
+    split, steps = router_split(HIDDEN)
+    return MoeRouterKernel(
+        HIDDEN, EXPERTS, TOP_K, bucket, split, ROUTER_WARPS, steps, 2.446,
+        input_norm=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("bucket", [1, 16])
+def test_router_input_norm_reads_the_sums_from_l2_and_the_rows_from_smem(tmp_path, bucket):
+    """The normalised rows go through shared memory (the MMAs' activation loads
+    are ld.shared), the sums of squares are read with relaxed gpu-scope loads
+    (they were added with atomics), and the registers stay within what two
+    CTAs per SM never need (no spills)."""
+    ptx = compiled_ptx(
+        tmp_path, "test_moe_compile",
+        f"_compile_router(t._router_with_input_norm({bucket}))",
+    )  # fmt: skip
+    assert "ld.relaxed.gpu.global.b32" in ptx
+    assert "ld.shared.v4" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 @pytest.mark.parametrize(
@@ -59,7 +90,7 @@ def test_router_compiles(bucket):
 )
 def test_router_topk_compiles_for_other_lane_widths(experts, warps):
     kern = MoeRouterKernel(HIDDEN, experts, TOP_K, 1, 1, warps, 9, 2.446)
-    assert cute.compile(kern, BF16, BF16, F32, F32, F32, I32, I32, F32, M, STREAM)
+    assert _compile_router(kern)
 
 
 @pytest.mark.parametrize("stage", ["gate_up", "down"])
@@ -115,7 +146,7 @@ def test_router_topk_rounds_are_two_redux_on_the_lanes_heads(tmp_path):
     """Top-k: two redux.sync per round and, between a round's max and min, only
     the compare of the head with the max and the select of its id (the lanes
     sorted their experts first); the sort and the head shifts stay in registers."""
-    text = compiled_ptx(tmp_path, "test_moe_compile", "test_router_compiles(1)")
+    text = compiled_ptx(tmp_path, "test_moe_compile", "test_router_compiles(1, False)")
     lines = [ln.strip() for ln in text.splitlines()]
     redux = [n for n, ln in enumerate(lines) if ln.startswith("redux.sync")]
     assert len(redux) == 2 * TOP_K

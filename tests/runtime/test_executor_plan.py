@@ -212,18 +212,24 @@ class Recorder:
 
 
 class FakeGemm(Recorder):
-    def run(self, x, out, residual=None, residual_out=None):
-        weight = self.bound["weight"]
+    def run(self, x, out, residual=None, residual_out=None, sums=None):
+        weight, epilogue = self.bound["weight"], self.bound["epilogue"]
         assert x.shape == (x.shape[0], weight.shape[1]) and x.is_contiguous()
         assert 1 <= x.shape[0] <= decode.MAX_PREPARED_TOKENS
-        expected = weight.shape[0] // (2 if self.bound["epilogue"] == "silu_mul" else 1)
-        assert out.shape == (x.shape[0], expected) and out.is_contiguous()
-        if self.bound["epilogue"] == "residual_rmsnorm":
-            assert residual.shape == out.shape == residual_out.shape
+        expected = weight.shape[0] // (2 if epilogue == "silu_mul" else 1)
+        if epilogue == "residual_sumsq":
+            # No normed output: the sums of squares go to the consumer's buffer.
+            assert out is None and self.bound["norm"] is None
+            assert sums.shape == (16,) and sums.dtype == torch.float32
+        else:
+            assert sums is None
+            assert out.shape == (x.shape[0], expected) and out.is_contiguous()
+        if epilogue in ("residual_rmsnorm", "residual_sumsq"):
+            assert residual.shape == residual_out.shape == (x.shape[0], expected)
             assert residual.data_ptr() != residual_out.data_ptr()
         else:
             assert residual is None and residual_out is None
-        super().run(x, out, residual=residual, residual_out=residual_out)
+        super().run(x, out, residual=residual, residual_out=residual_out, sums=sums)
 
 
 class FakeKda(Recorder):
@@ -247,9 +253,15 @@ class FakeGroupedGemm(Recorder):
 
 
 class FakeMoe(Recorder):
+    def __init__(self, log: list, kind: str, **bound: Any):
+        super().__init__(log, kind, **bound)
+        self.input_sums = torch.zeros(16, dtype=torch.float32)
+
     def run(self, x, out, residual=None, residual_out=None):
         assert x.shape == out.shape == residual.shape == residual_out.shape
-        assert x.data_ptr() != out.data_ptr()
+        # x is written (the router's normed residual): it aliases no input.
+        buffers = {t.data_ptr() for t in (x, out, residual, residual_out)}
+        assert len(buffers) == 4
         super().run(x, out, residual=residual, residual_out=residual_out)
 
 
@@ -482,6 +494,36 @@ def test_mla_moe_dense_and_norm_tensors_are_the_models_own():
     )  # fmt: skip
     assert o_proj.bound["epilogue"] == "residual_rmsnorm"
     assert o_proj.bound["norm"].data_ptr() == layers[0].post_attention_layernorm.weight.data_ptr()
+
+
+def test_o_proj_before_a_moe_leaves_the_norm_to_the_router():
+    """Before a MoE, o_proj adds the residual and sums its squares into that
+    MoE's input_sums; the MoE normalises with the post-attention norm of its
+    own layer and writes the normed input it reads."""
+    model, executor, kernels = build()
+    layers = model.model.layers
+    moes = [k for k in kernels.built if k.kind == "moe"]
+    for index, moe in zip((1, 2, 3), moes):
+        norm = layers[index].post_attention_layernorm
+        assert moe.bound["input_norm_weight"].data_ptr() == norm.weight.data_ptr()
+        assert moe.bound["input_eps"] == norm.variance_epsilon
+        o_proj = next(
+            k for k in kernels.built
+            if k.kind == "gemm" and k.bound["weight"].data_ptr()
+            == layers[index].self_attn.o_proj.weight.data_ptr()
+        )  # fmt: skip
+        assert o_proj.bound["epilogue"] == "residual_sumsq"
+    allocate_caches(model)
+    executor.bind_kv_caches()
+    kernels.log.clear()
+    executor.run(torch.arange(2), torch.arange(2), forward_context(model, 2))
+    launches = [e for e in kernels.log if e[0] in ("gemm", "moe")]
+    pairs = [(a, b) for a, b in zip(launches, launches[1:]) if b[0] == "moe"]
+    assert len(pairs) == len(moes) == 3
+    for moe, (o_proj_launch, moe_launch) in zip(moes, pairs):
+        assert o_proj_launch[3]["sums"] is moe.input_sums
+        residual_out, residual = o_proj_launch[3]["residual_out"], moe_launch[3]["residual"]
+        assert residual_out.data_ptr() == residual.data_ptr()
 
 
 def test_kda_step_gets_f_b_g_b_in_place_and_the_f_a_g_a_columns():

@@ -28,7 +28,10 @@ Per layer (B rows, one decode token each; seams fused into the epilogues):
 * FFN: layer 0 dense MLP (``gate_up`` SiLU-and-mul, ``down`` with the residual +
   next-input-RMSNorm epilogue); MoE layers one ``PreparedMoe`` whose epilogue
   adds the residual and applies the next layer's input RMSNorm (the final norm
-  after the last layer).
+  after the last layer). Before a MoE, ``o_proj`` only adds the residual and
+  sums its squares (``residual_sumsq``); the MoE's router applies the
+  post-attention RMSNorm itself, which saves o_proj's grid-wide ticket and
+  whole-row pass on the critical path.
 
 The step's output is what ``KimiLinearModel.forward`` returns (final RMSNorm
 applied), the tensor ``compute_logits`` consumes.
@@ -67,11 +70,14 @@ MLA_OWN_ATTENTION_MAX_BATCH = 2
 EPILOGUE_PLAIN = "plain"
 EPILOGUE_SILU_MUL = "silu_mul"
 EPILOGUE_RESIDUAL_RMSNORM = "residual_rmsnorm"
+EPILOGUE_RESIDUAL_SUMSQ = "residual_sumsq"
 # Conv-state layouts, as PreparedKda names them.
 CONV_LAYOUT_SD = "SD"
 CONV_LAYOUT_DS = "DS"
 
 KernelLaunch = Callable[["StepContext"], None]
+# The plan's name for a MoE's input sums of squares (o_proj writes, router reads).
+MOE_INPUT_SUMS = "moe_input_sums"
 # The KDA projections of the normed input, in the row order of the fused in_proj.
 KDA_IN_PROJ_PARTS = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")
 
@@ -750,22 +756,31 @@ class KimiLinearDecodeExecutor:
                 self._plan_kda(layer, cur("x"))
             else:
                 self._plan_mla(layer, cur("x"))
-            self._plan_residual_gemm(
-                layer.index,
-                "o_proj",
-                layer.attn.o_proj,
-                layer.post_attention_norm,
-                "attn_out",
-                cur("residual"),
-                nxt("residual"),
-                nxt("x"),
-            )
-            advance()
-            ffn_buffers = (cur("x"), cur("residual"), nxt("residual"), nxt("x"))
             if isinstance(layer.ffn, DenseFfn):
-                self._plan_dense(layer, *ffn_buffers)
+                self._plan_residual_gemm(
+                    layer.index,
+                    "o_proj",
+                    layer.attn.o_proj,
+                    layer.post_attention_norm,
+                    "attn_out",
+                    cur("residual"),
+                    nxt("residual"),
+                    nxt("x"),
+                )
+                advance()
+                self._plan_dense(
+                    layer, cur("x"), cur("residual"), nxt("residual"), nxt("x")
+                )
             else:
-                self._plan_moe(layer, *ffn_buffers)
+                moe = self._moe_kernel(layer)
+                self._plan_residual_sums_gemm(
+                    layer.index, layer.attn.o_proj, "attn_out", cur("residual"),
+                    nxt("residual"), moe.input_sums,
+                )  # fmt: skip
+                advance()
+                self._plan_moe(
+                    layer, moe, cur("x"), cur("residual"), nxt("residual"), nxt("x")
+                )
             advance()
         self._output = cur("x")
 
@@ -999,13 +1014,42 @@ class KimiLinearDecodeExecutor:
             residual, residual_out, out,
         )  # fmt: skip
 
-    def _plan_moe(
-        self, layer: LayerWeights, x: str, residual: str, residual_out: str, out: str
+    def _plan_residual_sums_gemm(
+        self,
+        index: int,
+        weight: torch.Tensor,
+        src: str,
+        residual: str,
+        residual_out: str,
+        sums: torch.Tensor,
     ) -> None:
+        """o_proj before a MoE: the residual add, and the sums of squares into
+        the MoE's ``input_sums`` (its router applies the norm)."""
+        gemm = self._kernel(
+            index, "o_proj", lambda: self.kernels.gemm(weight, EPILOGUE_RESIDUAL_SUMSQ)
+        )
+        bufs = self.buffers
+        width = weight.shape[1]
+
+        def launch(ctx: StepContext) -> None:
+            b = ctx.batch
+            gemm.run(
+                bufs.rows(src, b, width),
+                None,
+                residual=bufs.rows(residual, b),
+                residual_out=bufs.rows(residual_out, b),
+                sums=sums,
+            )
+
+        self._step(
+            index, "o_proj", (src, residual), (residual_out, MOE_INPUT_SUMS), launch
+        )
+
+    def _moe_kernel(self, layer: LayerWeights) -> Any:
         ffn = layer.ffn
         assert isinstance(ffn, MoeFfn)
-        norm = layer.next_norm
-        moe = self._kernel(
+        norm, input_norm = layer.next_norm, layer.post_attention_norm
+        return self._kernel(
             layer.index,
             "moe",
             lambda: self.kernels.moe(
@@ -1020,8 +1064,21 @@ class KimiLinearDecodeExecutor:
                 renormalize=ffn.renormalize,
                 rmsnorm_weight=norm.weight,
                 eps=norm.eps,
+                input_norm_weight=input_norm.weight,
+                input_eps=input_norm.eps,
             ),
         )
+
+    def _plan_moe(
+        self,
+        layer: LayerWeights,
+        moe: Any,
+        x: str,
+        residual: str,
+        residual_out: str,
+        out: str,
+    ) -> None:
+        """The MoE block, normalising ``residual`` into ``x`` first (router)."""
         bufs = self.buffers
 
         def launch(ctx: StepContext) -> None:
@@ -1033,7 +1090,10 @@ class KimiLinearDecodeExecutor:
                 residual_out=bufs.rows(residual_out, b),
             )
 
-        self._step(layer.index, "moe", (x, residual), (residual_out, out), launch)
+        self._step(
+            layer.index, "moe", (residual, MOE_INPUT_SUMS), (x, residual_out, out),
+            launch,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- binding
     @property
