@@ -48,6 +48,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 
+from ..common.rmsnorm import normalized_chunk
 from ..common.skinny_mma import (
     CHUNK,
     LANES_PER_QUAD,
@@ -728,9 +729,5 @@ class SkinnyGemmKernel:
                 if token < m:
                     scale = rstd[token]
                     res = cute.make_rmem_tensor((CHUNK,), BFloat16)
-                    for e in cutlass.range_constexpr(CHUNK):
-                        normed = (hs[j][e].to(Float32) * scale).to(BFloat16)
-                        res[e] = (normed.to(Float32) * gs[j][e].to(Float32)).to(
-                            BFloat16
-                        )
+                    normalized_chunk(hs[j], gs[j], scale, res)
                     cute.autovec_copy(res, out[token, chunk, None])

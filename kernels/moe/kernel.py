@@ -45,6 +45,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 
+from ..common.rmsnorm import normalized_chunk
 from ..common.skinny_mma import (
     CHUNK,
     LANES_PER_QUAD,
@@ -423,9 +424,7 @@ class MoeRouterKernel:
                         sq[j] / Float32(hidden) + Float32(self.input_eps)
                     )
                     res = cute.make_rmem_tensor((CHUNK,), BFloat16)
-                    for e in cutlass.range_constexpr(CHUNK):
-                        unit = (hs[j][e].to(Float32) * scale).to(BFloat16)
-                        res[e] = (unit.to(Float32) * gs[j][e].to(Float32)).to(BFloat16)
+                    normalized_chunk(hs[j], gs[j], scale, res)
                     cute.autovec_copy(res, rows[token, chunk, None])
                     if tile == 0:  # noqa: SIM102 (run-time `and` does not lower)
                         if split == 0:
