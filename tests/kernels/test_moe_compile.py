@@ -50,35 +50,26 @@ def _compile_router(kern):
     return cute.compile(kern, BF16, BF16, F32, F32, F32, I32, I32, F32, F32, BF16, BF16, M, STREAM)
 
 
-@pytest.mark.parametrize("bucket", [1, 16])
-@pytest.mark.parametrize("input_norm", [False, True])
-def test_router_compiles(bucket, input_norm):
-    split, steps = router_split(HIDDEN)
-    kern = MoeRouterKernel(
-        HIDDEN, EXPERTS, TOP_K, bucket, split, ROUTER_WARPS, steps, 2.446,
-        input_norm=input_norm,
-    )  # fmt: skip
-    assert _compile_router(kern)
-
-
-def _router_with_input_norm(bucket):
+def _router(bucket, input_norm=False):
     split, steps = router_split(HIDDEN)
     return MoeRouterKernel(
         HIDDEN, EXPERTS, TOP_K, bucket, split, ROUTER_WARPS, steps, 2.446,
-        input_norm=True,
+        input_norm=input_norm,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("bucket", [1, 16])
+@pytest.mark.parametrize("input_norm", [False, True])
+def test_router_compiles(bucket, input_norm):
+    assert _compile_router(_router(bucket, input_norm))
 
 
 @pytest.mark.parametrize("bucket", [1, 16])
 def test_router_input_norm_reads_the_sums_from_l2_and_the_rows_from_smem(tmp_path, bucket):
     """The normalised rows go through shared memory (the MMAs' activation loads
     are ld.shared), the sums of squares are read with relaxed gpu-scope loads
-    (they were added with atomics), and the registers stay within what two
-    CTAs per SM never need (no spills)."""
-    ptx = compiled_ptx(
-        tmp_path, "test_moe_compile",
-        f"_compile_router(t._router_with_input_norm({bucket}))",
-    )  # fmt: skip
+    (they were added with atomics), and nothing spills to local memory."""
+    ptx = compiled_ptx(tmp_path, "test_moe_compile", f"_compile_router(t._router({bucket}, True))")
     assert "ld.relaxed.gpu.global.b32" in ptx
     assert "ld.shared.v4" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
