@@ -8,8 +8,19 @@ The main loop (``common.skinny_mma``) streams W once with 16-byte loads into
 * A warp owns one 16-row tile and a contiguous range of K "steps" (32
   K-values: 4 lanes x 8).  Warps of a CTA split K further (``warps_k``) and
   reduce through shared memory; small-N shapes additionally split K across
-  CTAs (``split_k``) and the last CTA of a tile (atomic ticket) reduces the
-  FP32 partials from a workspace and runs the epilogue.
+  CTAs (``split_k``).  With ``cluster_split_k`` (the default for split_k <=
+  MAX_CLUSTER_SPLIT_K) the split CTAs of a tile form one thread-block
+  cluster: each writes its FP32 partial into the shared memory of the
+  cluster's first CTA (split 0) through distributed shared memory, one
+  cluster barrier publishes them (a relaxed one, arrived at the start,
+  makes sure every CTA of the cluster exists before the first remote
+  store), and that CTA adds them and runs the epilogue.  The partials never
+  leave the GPC, so no L2 store, GPU-scope fence, atomic round trip or L2
+  re-read sits on the critical path of the tile.  Otherwise (larger
+  splits, or disabled) every split CTA stores its partial to a global
+  workspace and takes an atomic ticket; the last one re-reads the partials
+  and runs the epilogue.  Both add the partials in split order 0, 1, ...,
+  so the two give bit-identical results.
 * Epilogues (compile time): plain store; SiLU(gate) * up with gate and up rows
   interleaved in 8-row blocks by ``pack_gate_up`` so each lane holds the gate
   and the up value of the same output; residual add + RMSNorm, where every
@@ -87,6 +98,12 @@ BARRIER_MAX_POLLS = 64
 # waiting tile has abandoned the barrier of the current launch.
 BARRIER_ABANDONED = 1 << 30
 BARRIER_EPOCH_MASK = BARRIER_ABANDONED - 1
+# Split-K through a cluster: the largest cluster SM90 launches without the
+# non-portable cluster size opt-in, and the rank of the CTA (split 0) that
+# gathers the partials.  The cluster is [1, split_k, 1] over a grid of
+# [tiles, split_k, 1], so a CTA's rank in its cluster is its split index.
+MAX_CLUSTER_SPLIT_K = 8
+CLUSTER_LEADER = 0
 
 EPILOGUE_PLAIN = "plain"
 EPILOGUE_SILU_MUL = "silu_mul"
@@ -102,6 +119,12 @@ EPILOGUES = (
     EPILOGUE_RESIDUAL_SUMSQ,
 )
 RESIDUAL_EPILOGUES = (EPILOGUE_RESIDUAL_RMSNORM, EPILOGUE_RESIDUAL_SUMSQ)
+
+
+def uses_cluster_split_k(split_k: int, cluster_split_k: bool) -> bool:
+    """Whether a launch of ``split_k`` CTAs per tile reduces through a cluster
+    (else through the global workspace and the per-tile tickets)."""
+    return cluster_split_k and 2 <= split_k <= MAX_CLUSTER_SPLIT_K
 
 
 @dataclass(frozen=True)
@@ -129,6 +152,9 @@ class SkinnyGemmKernel:
     selects how many are stored), ``warps_k`` warps per CTA split K inside a
     CTA, ``split_k`` CTAs per tile split it across the grid, and ``unroll``
     K-steps of loads are issued per warp before their MMAs.
+    ``cluster_split_k`` reduces a split through a thread-block cluster when
+    2 <= split_k <= MAX_CLUSTER_SPLIT_K (else, or with False, through the
+    global workspace and an atomic ticket per tile).
     """
 
     def __init__(
@@ -146,6 +172,7 @@ class SkinnyGemmKernel:
         row_groups: RowGroups | None = None,
         norm_by_every_tile: bool = False,
         barrier_max_polls: int = BARRIER_MAX_POLLS,
+        cluster_split_k: bool = True,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -193,6 +220,16 @@ class SkinnyGemmKernel:
             norm_by_every_tile and epilogue == EPILOGUE_RESIDUAL_RMSNORM
         )
         self.barrier_max_polls = barrier_max_polls
+        self.cluster_split_k = uses_cluster_split_k(split_k, cluster_split_k)
+        # The leader's buffer of the other splits' partials (allocated in every
+        # CTA of the cluster: they share one shared-memory layout).
+        self.cluster_partials_bytes = 0
+        self.cluster_shape = None
+        if self.cluster_split_k:
+            self.cluster_partials_bytes = (
+                (split_k - 1) * WARP_THREADS * self.values_per_lane * 4
+            )
+            self.cluster_shape = [1, split_k, 1]
         if row_groups is not None:
             g = row_groups
             if epilogue != EPILOGUE_PLAIN:
@@ -231,6 +268,8 @@ class SkinnyGemmKernel:
     ):
         smem_bytes = self.warps_k * WARP_THREADS * self.values_per_lane * 4
         smem_bytes += 4 * WARP_THREADS + 4 * MAX_TOKENS  # ticket flag + rstd
+        # Every buffer's size is a multiple of 16 bytes: no alignment padding.
+        smem_bytes += self.cluster_partials_bytes
         self.kernel(
             x_ptr,
             w_ptr,
@@ -245,6 +284,7 @@ class SkinnyGemmKernel:
         ).launch(  # fmt: skip
             grid=[self.num_tiles, self.split_k, 1],
             block=[self.threads, 1, 1],
+            cluster=self.cluster_shape,
             smem=smem_bytes,
             stream=stream,
             use_pdl=self.use_pdl,
@@ -272,6 +312,11 @@ class SkinnyGemmKernel:
             # resident; it waits (griddepcontrol.wait) before touching
             # anything this kernel writes.
             cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.cluster_split_k):
+            # Remote shared memory may only be written once every CTA of the
+            # cluster has started: arrive now (no ordering needed), wait just
+            # before the first remote store, long after the last CTA started.
+            cute.arch.cluster_arrive_relaxed()
         tile, split, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % WARP_THREADS
@@ -356,23 +401,43 @@ class SkinnyGemmKernel:
         )
         flag = smem.allocate_tensor(Int32, cute.make_layout((WARP_THREADS,)), 4)
         rstd = smem.allocate_tensor(Float32, cute.make_layout((MAX_TOKENS,)), 4)
+        if const_expr(self.cluster_split_k):
+            # cluster_partials[s - 1, lane, v]: split s's total, lane-major so
+            # a lane's values are contiguous (16-byte stores and loads).
+            cluster_partials = smem.allocate_tensor(
+                Float32,
+                cute.make_layout(
+                    (self.split_k - 1, WARP_THREADS, vals),
+                    stride=(WARP_THREADS * vals, vals, 1),
+                ),
+                byte_alignment=16,
+            )
         if tidx < WARP_THREADS:
             flag[tidx] = Int32(0)
         total = cute.make_rmem_tensor((vals,), Float32)
         self.mma.reduce_warps(acc, total, red, warp, lane, self.warps_k)
-        if warp == 0:
-            if const_expr(self.split_k > 1):
-                self._split_k_reduce_and_epilogue(
-                    total, tile, split, lane, quad_row, quad_lane, m,
-                    out_ptr, residual_in, epoch_in, residual_out_ptr, gamma_rows,
-                    partial_ptr, counter_ptr, sumsq_ptr, flag,
-                )  # fmt: skip
-            else:
-                self._epilogue(
-                    total, tile, lane, quad_row, quad_lane, m,
-                    out_ptr, residual_in, epoch_in, residual_out_ptr, gamma_rows,
-                    counter_ptr, sumsq_ptr, flag,
-                )  # fmt: skip
+        if const_expr(self.cluster_split_k):
+            # Every thread of every CTA passes the cluster barriers (not only
+            # warp 0): barrier.cluster counts threads.
+            self._cluster_reduce_and_epilogue(
+                total, tile, split, warp, lane, quad_row, quad_lane, m,
+                out_ptr, residual_in, epoch_in, residual_out_ptr, gamma_rows,
+                counter_ptr, sumsq_ptr, flag, cluster_partials,
+            )  # fmt: skip
+        else:
+            if warp == 0:
+                if const_expr(self.split_k > 1):
+                    self._split_k_reduce_and_epilogue(
+                        total, tile, split, lane, quad_row, quad_lane, m,
+                        out_ptr, residual_in, epoch_in, residual_out_ptr,
+                        gamma_rows, partial_ptr, counter_ptr, sumsq_ptr, flag,
+                    )  # fmt: skip
+                else:
+                    self._epilogue(
+                        total, tile, lane, quad_row, quad_lane, m,
+                        out_ptr, residual_in, epoch_in, residual_out_ptr,
+                        gamma_rows, counter_ptr, sumsq_ptr, flag,
+                    )  # fmt: skip
 
         if const_expr(self.epilogue == EPILOGUE_RESIDUAL_RMSNORM):
             # The last tile normalises every row: always in the last-tile
@@ -384,6 +449,43 @@ class SkinnyGemmKernel:
                     tidx, m, residual_out_ptr, gamma_ptr, out_ptr, counter_ptr,
                     sumsq_ptr, epoch_in[0] % SUMSQ_BUFFERS, rstd,
                     not self.norm_by_every_tile,
+                )  # fmt: skip
+
+    @cute.jit
+    def _cluster_reduce_and_epilogue(
+        self, total, tile, split, warp, lane, quad_row, quad_lane, m,
+        out_ptr, residual_in, epoch_in, residual_out_ptr, gamma_rows,
+        counter_ptr, sumsq_ptr, flag, cluster_partials,
+    ):  # fmt: skip
+        """Split-K through the cluster: splits 1.. store their totals into the
+        leader's (split 0's) shared memory, the leader adds them in split
+        order and runs the epilogue, as the ticket path's last CTA does."""
+        vals = self.values_per_lane
+        # Pairs with the relaxed arrive at the start: every CTA exists.
+        cute.arch.cluster_wait()
+        if warp == 0:  # noqa: SIM102 (run-time `and` does not lower)
+            if split != CLUSTER_LEADER:
+                leader_partials = cute.make_tensor(
+                    cute.arch.map_dsmem_ptr(cluster_partials.iterator, CLUSTER_LEADER),
+                    cluster_partials.layout,
+                )
+                cute.autovec_copy(total, leader_partials[split - 1, lane, None])
+        # Release the remote stores (default .release) and acquire them in the
+        # leader (default .acquire), cluster scope: no GPU-scope fence.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if warp == 0:  # noqa: SIM102
+            if split == CLUSTER_LEADER:
+                others = cute.make_rmem_tensor((vals,), Float32)
+                # total = p0 + p1 + ... as the ticket path adds the workspace.
+                for s in cutlass.range_constexpr(1, self.split_k):
+                    cute.autovec_copy(cluster_partials[s - 1, lane, None], others)
+                    for v in cutlass.range_constexpr(vals):
+                        total[v] = total[v] + others[v]
+                self._epilogue(
+                    total, tile, lane, quad_row, quad_lane, m,
+                    out_ptr, residual_in, epoch_in, residual_out_ptr, gamma_rows,
+                    counter_ptr, sumsq_ptr, flag,
                 )  # fmt: skip
 
     @cute.jit

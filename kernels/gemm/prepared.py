@@ -3,9 +3,11 @@
 """Bind a decode weight once; launch the skinny CuTe DSL GEMM per step.
 
 ``PreparedGemm(weight, epilogue=...)`` validates and (for ``silu_mul``) packs
-the weight once, allocates the small FP32 split-K workspace and the atomic
-counters the kernel re-arms itself, and compiles one kernel per M-bucket on
-first use (cached process-wide per (N, K, M-bucket, epilogue, config)).
+the weight once, allocates the atomic counters the kernel re-arms itself (and
+the small FP32 split-K workspace, when a split is reduced through global
+memory rather than a thread-block cluster), and compiles one kernel per
+M-bucket on first use (cached process-wide per (N, K, M-bucket, epilogue,
+config)).
 ``run()`` then only validates its inputs, builds raw pointers and launches on
 the current stream: no host sync, no allocation, so it can be captured in a
 CUDA graph and replayed.
@@ -41,6 +43,7 @@ from .kernel import (
     WARP_THREADS,
     RowGroups,
     SkinnyGemmKernel,
+    uses_cluster_split_k,
 )
 
 # Launch heuristic, from config sweeps on the H200 (docs/perf/gemm_sweep.md):
@@ -51,6 +54,8 @@ from .kernel import (
 #   shapes with enough 16-row tiles run unsplit (N=2304, K=1024: 2.3 us
 #   unsplit vs 3.7 us split 2); only few-tile or long-K shapes are split, to
 #   ~TARGET_WARPS_PER_SM resident warps (N=2304, K=4096/9216; N=576).
+#   Those sweeps timed the global-workspace reduction; the cluster reduction
+#   (kernel.uses_cluster_split_k, the default since) is not re-swept yet.
 TARGET_WARPS_PER_SM = 16
 WARPS_PER_CTA = 4
 # Unsplit needs at least this many tiles (half the SMs busy with 1 CTA) and
@@ -154,6 +159,26 @@ def _ptr(t: torch.Tensor, dtype) -> cute.Pointer:
     return gmem_ptr(t, dtype, assumed_align=16)
 
 
+# Elements of the placeholder partials buffer when no config reduces a split
+# through global memory (a valid 16-byte aligned pointer, never dereferenced).
+PLACEHOLDER_PARTIALS = 4
+# FP32 values a lane holds at 16 tokens: two 8-token C fragments of 4.
+PARTIAL_VALUES_PER_LANE = 4 * (MAX_TOKENS // TOKENS_PER_MMA)
+
+
+def _partial_elems(tiles: int, configs, cluster_split_k: bool) -> int:
+    """FP32 partials [tile, split, lane, 8 values] for the configs whose split
+    goes through the global workspace (the ticket path); else a placeholder."""
+    ticket_splits = [
+        c.split_k
+        for c in configs
+        if c.split_k > 1 and not uses_cluster_split_k(c.split_k, cluster_split_k)
+    ]
+    if not ticket_splits:
+        return PLACEHOLDER_PARTIALS
+    return tiles * max(ticket_splits) * WARP_THREADS * PARTIAL_VALUES_PER_LANE
+
+
 def _check_tensor(name: str, t: torch.Tensor, shape: tuple, device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -188,6 +213,10 @@ class PreparedGemm:
     use_pdl: launch with programmatic dependent launch (default): the kernel
     starts loading weights while the preceding kernel of the stream drains and
     waits for it (``griddepcontrol.wait``) before reading ``x`` or writing.
+
+    cluster_split_k: reduce a grid split-K (2..8 CTAs per tile) through a
+    thread-block cluster's distributed shared memory (default); False keeps
+    the global workspace and per-tile atomic tickets (A/B, larger splits).
     """
 
     def __init__(
@@ -199,6 +228,7 @@ class PreparedGemm:
         config: dict[int, GemmConfig] | None = None,
         use_pdl: bool = True,
         barrier_max_polls: int = BARRIER_MAX_POLLS,
+        cluster_split_k: bool = True,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -217,6 +247,7 @@ class PreparedGemm:
             raise ValueError(f"K={k} must be a multiple of {CHUNK} (16-byte rows)")
         self.epilogue, self.k, self.eps = epilogue, k, eps
         self.use_pdl = use_pdl
+        self.cluster_split_k = cluster_split_k
         # Tests pass 0 to take the RMSNorm barrier's time-out path.
         self.barrier_max_polls = barrier_max_polls
         # Bytes this binding holds beyond the caller's weight: the packed copy
@@ -260,7 +291,6 @@ class PreparedGemm:
             for b in (TOKENS_PER_MMA, MAX_TOKENS)
         }
         tiles = -(-self.n_packed // ROWS_PER_TILE)
-        max_split = max(c.split_k for c in self.configs.values())
         # The RMSNorm's grid barrier needs every tile of the grid able to wait
         # on the GPU at once.
         self.grid_barrier_fits = (
@@ -269,10 +299,12 @@ class PreparedGemm:
             and max(c.warps_k for c in self.configs.values()) <= BARRIER_MAX_WARPS
         )
         # FP32 partials [tile, split, lane, 8 values], only read or written
-        # when K is split across CTAs (else a 16-byte placeholder pointer);
-        # counters[tile] for split-K tickets plus the RMSNorm's grid ticket and
-        # barrier epoch; the RMSNorm's two buffers of per-token sums of squares.
-        partial_elems = tiles * max_split * WARP_THREADS * 8 if max_split > 1 else 4
+        # when K is split across CTAs through global memory (else a 16-byte
+        # placeholder pointer); counters[tile] for split-K tickets (kept in
+        # cluster mode too: the RMSNorm's words follow them) plus the
+        # RMSNorm's grid ticket and barrier epoch; the RMSNorm's two buffers of
+        # per-token sums of squares.
+        partial_elems = _partial_elems(tiles, self.configs.values(), cluster_split_k)
         self.partials = torch.empty(
             partial_elems, dtype=torch.float32, device=self.device
         )
@@ -309,6 +341,7 @@ class PreparedGemm:
         return (
             self.n_packed, self.k, self.out_features, bucket, self.epilogue, c,
             self.eps, self.use_pdl, barrier, self.barrier_max_polls,
+            uses_cluster_split_k(c.split_k, self.cluster_split_k),
         )  # fmt: skip
 
     def compile(self, buckets=(TOKENS_PER_MMA, MAX_TOKENS)) -> dict[int, float]:
@@ -331,6 +364,7 @@ class PreparedGemm:
                 out_cols=self.out_features, use_pdl=self.use_pdl,
                 norm_by_every_tile=barrier,
                 barrier_max_polls=self.barrier_max_polls,
+                cluster_split_k=self.cluster_split_k,
             )  # fmt: skip
             bf16 = _ptr(self.weight, cutlass.BFloat16)
             w, g, p, cnt, sq = self._static_ptrs
@@ -418,6 +452,7 @@ class PreparedGroupedGemm:
     run(x, out): x bf16 ``[M, G, K]`` with the last dim contiguous and 16-byte
       aligned rows/groups (strided views are fine; one kernel is compiled per
       stride pair); out bf16 ``[M, G * R]`` contiguous.
+    cluster_split_k: as for ``PreparedGemm``.
     """
 
     def __init__(
@@ -425,6 +460,7 @@ class PreparedGroupedGemm:
         weight: torch.Tensor,
         config: dict[int, GemmConfig] | None = None,
         use_pdl: bool = True,
+        cluster_split_k: bool = True,
     ):
         if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
             raise ValueError("weight must be a 3-D [G, R, K] torch.Tensor")
@@ -448,6 +484,7 @@ class PreparedGroupedGemm:
         if weight.data_ptr() % 16:
             raise ValueError("weight must be 16-byte aligned")
         self.weight, self.device, self.use_pdl = weight, weight.device, use_pdl
+        self.cluster_split_k = cluster_split_k
         self.groups, self.rows, self.k = groups, rows, k
         self.w_group_rows = g_stride // k if groups > 1 else rows
         self.out_features = groups * rows
@@ -457,8 +494,7 @@ class PreparedGroupedGemm:
             for b in (TOKENS_PER_MMA, MAX_TOKENS)
         }
         tiles = self.out_features // ROWS_PER_TILE
-        max_split = max(c.split_k for c in self.configs.values())
-        partial_elems = tiles * max_split * WARP_THREADS * 8 if max_split > 1 else 4
+        partial_elems = _partial_elems(tiles, self.configs.values(), cluster_split_k)
         self.partials = torch.empty(
             partial_elems, dtype=torch.float32, device=self.device
         )
@@ -476,6 +512,7 @@ class PreparedGroupedGemm:
         return (
             "grouped", self.groups, self.rows, self.k, self.w_group_rows, x_strides,
             bucket, self.configs[bucket], self.use_pdl,
+            uses_cluster_split_k(self.configs[bucket].split_k, self.cluster_split_k),
         )  # fmt: skip
 
     def compile(
@@ -494,7 +531,7 @@ class PreparedGroupedGemm:
                 kern = SkinnyGemmKernel(
                     self.out_features, self.k, bucket, EPILOGUE_PLAIN,
                     c.warps_k, c.split_k, c.unroll, use_pdl=self.use_pdl,
-                    row_groups=groups,
+                    row_groups=groups, cluster_split_k=self.cluster_split_k,
                 )  # fmt: skip
                 w, p, cnt = self._static_ptrs
                 start = time.perf_counter()

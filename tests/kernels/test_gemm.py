@@ -29,7 +29,11 @@ if torch.cuda.get_device_capability() != (9, 0):
         allow_module_level=True,
     )
 
-from kernels.gemm.kernel import BARRIER_EPOCH, NORM_COUNTERS  # noqa: E402
+from kernels.gemm.kernel import (  # noqa: E402
+    BARRIER_EPOCH,
+    NORM_COUNTERS,
+    uses_cluster_split_k,
+)
 from kernels.gemm.prepared import (  # noqa: E402
     PreparedGemm,
     PreparedGroupedGemm,
@@ -276,6 +280,115 @@ def test_plain_is_deterministic_with_split_k():
         assert torch.equal(o, outs[0])
 
 
+# Token counts of the split-K comparisons: both M-buckets and both RMSNorm schemes.
+SPLIT_MS = (1, 2, 4, 8, 16)
+
+
+def _split_cases():
+    """(name, epilogue) of every decode shape whose launch splits K across CTAs
+    in some M-bucket, with each epilogue it uses (and residual_sumsq where it
+    uses residual_rmsnorm), plus silu_mul on the split kv_a shape."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = []
+    for name, (n, k, eps) in SHAPES.items():
+        if name == "mla_o_proj" or all(choose_config(n, k, b, sms).split_k == 1 for b in (8, 16)):
+            continue
+        sums = ("residual_sumsq",) if "residual_rmsnorm" in eps else ()
+        cases += [(name, ep) for ep in ("plain",) + eps + sums]
+    return cases + [("mla_kv_a_proj", "silu_mul")]
+
+
+def _run_epilogue(prepared, epilogue, x, residual):
+    """One launch into fresh NaN-filled outputs; returns (out, residual_out,
+    sums), None where the epilogue has no such output."""
+    n = prepared.out_features
+    out = torch.full((x.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    residual_out = sums = None
+    if epilogue in ("residual_rmsnorm", "residual_sumsq"):
+        residual_out = torch.full_like(residual, float("nan"))
+    if epilogue == "residual_sumsq":
+        out = None
+        sums = torch.zeros(16, dtype=torch.float32, device="cuda")
+        prepared.run(x, None, residual=residual, residual_out=residual_out, sums=sums)
+    elif residual_out is not None:
+        prepared.run(x, out, residual=residual, residual_out=residual_out)
+    else:
+        prepared.run(x, out)
+    return out, residual_out, sums
+
+
+def _bits_equal(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert not got.isnan().any() and not want.isnan().any(), f"{what}: NaN (unwritten output?)"
+    bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits), want.view(bits)), (
+        f"{what}: {int((got != want).sum())} elements differ"
+    )
+
+
+def _small_integers(shape, gen, magnitude, density):
+    """Integers in [-magnitude, magnitude], zero with probability 1 - density,
+    as bf16 (exact)."""
+    values = torch.randint(-magnitude, magnitude + 1, shape, device="cuda", generator=gen)
+    keep = torch.rand(shape, device="cuda", generator=gen) < density
+    return (values * keep).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("name,epilogue", _split_cases())
+def test_cluster_split_k_is_bit_identical_to_the_ticket_path(name, epilogue):
+    """The cluster reduction adds the splits' partials in the ticket path's
+    order (0, 1, ...), so both give the same bits.
+
+    Random data: every output the split reduction alone determines (out of
+    plain and silu_mul, residual_out of the residual epilogues) is compared bit
+    for bit.  The sums of squares, and the RMSNorm's out that divides by them,
+    also add every tile's squares with float atomics in arrival order, which
+    varies from launch to launch on either path, so they are compared on
+    integer data instead: small-integer x, W and residual make every partial,
+    residual, square and sum an integer below 2^24, exact in FP32, so no
+    addition order can change a bit and every output must match exactly."""
+    w = _weight(name)
+    n, k = w.shape
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"{name}/{epilogue}".encode()))
+    gamma = _gamma(n, gen) if epilogue == "residual_rmsnorm" else None
+    integer_w = _small_integers(w.shape, gen, 1, 0.25)
+    paths = {}
+    for weight, regime in ((w, "random"), (integer_w, "integer")):
+        paths[regime] = [
+            PreparedGemm(weight, epilogue, rmsnorm_weight=gamma, eps=EPS, cluster_split_k=flag)
+            for flag in (True, False)
+        ]
+    cluster, ticket = paths["random"]
+    assert any(uses_cluster_split_k(c.split_k, True) for c in cluster.configs.values())
+    # No global partials for the cluster path; the counters (RMSNorm words) stay.
+    assert cluster.partials.numel() < ticket.partials.numel()
+    assert cluster.counters.numel() == ticket.counters.numel()
+    for m in SPLIT_MS:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+        got = _run_epilogue(cluster, epilogue, x, residual)
+        want = _run_epilogue(ticket, epilogue, x, residual)
+        what = f"{name} {epilogue} M={m} random"
+        if epilogue in ("plain", "silu_mul"):
+            _bits_equal(got[0], want[0], what + " out")
+        else:
+            _bits_equal(got[1], want[1], what + " residual_out")
+        x = _small_integers((m, k), gen, 1, 0.25)
+        residual = _small_integers((m, n), gen, 8, 1.0)
+        got = _run_epilogue(paths["integer"][0], epilogue, x, residual)
+        want = _run_epilogue(paths["integer"][1], epilogue, x, residual)
+        torch.cuda.synchronize()
+        if want[1] is not None:  # the premise: every sum of squares is exact
+            assert float(want[1].float().pow(2).sum(dim=-1).max()) < 2**24
+        for a, b, output in zip(got, want, ("out", "residual_out", "sums")):
+            if b is not None:
+                _bits_equal(a, b, f"{name} {epilogue} M={m} integer {output}")
+    # The cluster path never touches the per-tile tickets.
+    for prepared in (cluster, paths["integer"][0]):
+        tickets = prepared.counters[: prepared.counters.numel() - NORM_COUNTERS]
+        assert int(tickets.abs().sum()) == 0
+
+
 def test_pack_gate_up_layout():
     inter, k = 20, 16  # I not a multiple of 8: padded with zero rows
     w = torch.arange(2 * inter * k, dtype=torch.float32).reshape(2 * inter, k)
@@ -387,17 +500,22 @@ def test_rmsnorm_barrier_time_out_falls_back_to_the_last_tile_pass():
             _close(outs[i], ref, f"time-out graph {replay}/{i} normed")
 
 
+@pytest.mark.parametrize("cluster_split_k", [True, False], ids=["cluster", "ticket"])
 @pytest.mark.parametrize("use_pdl", [True, False], ids=["pdl", "no_pdl"])
-def test_graph_capture_and_replay(use_pdl):
-    """Three launches captured once, replayed with fresh inputs each time."""
+def test_graph_capture_and_replay(use_pdl, cluster_split_k):
+    """Three launches captured once, replayed with fresh inputs each time; kv_a
+    and o_proj split K across CTAs (through a cluster or the tickets)."""
     gen = torch.Generator(device="cuda").manual_seed(99)
     w_kv = _weight("mla_kv_a_proj").clone()
     w_gu = _weight("shared_gate_up").clone()
     w_o = _weight("kda_o_proj").clone()
     gamma = (1 + 0.1 * torch.randn(w_o.shape[0], device="cuda", generator=gen)).to(torch.bfloat16)
-    p_kv = PreparedGemm(w_kv, use_pdl=use_pdl)
-    p_gu = PreparedGemm(w_gu, "silu_mul", use_pdl=use_pdl)
-    p_o = PreparedGemm(w_o, "residual_rmsnorm", rmsnorm_weight=gamma, eps=EPS, use_pdl=use_pdl)
+    flags = dict(use_pdl=use_pdl, cluster_split_k=cluster_split_k)
+    p_kv = PreparedGemm(w_kv, **flags)
+    p_gu = PreparedGemm(w_gu, "silu_mul", **flags)
+    p_o = PreparedGemm(w_o, "residual_rmsnorm", rmsnorm_weight=gamma, eps=EPS, **flags)
+    for p in (p_kv, p_o):
+        assert uses_cluster_split_k(p.configs[8].split_k, True), p.configs
     m = 3
     x_kv = torch.empty(m, w_kv.shape[1], device="cuda", dtype=torch.bfloat16)
     x_gu = torch.empty(m, w_gu.shape[1], device="cuda", dtype=torch.bfloat16)

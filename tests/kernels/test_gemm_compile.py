@@ -4,8 +4,9 @@
 
 CuTe DSL lowers to PTX and a cubin on a machine with no GPU when the target is
 named (CUTE_DSL_ARCH); this checks that every epilogue, both M-buckets, the
-split-K and the ragged-K paths still trace, verify and compile.  Runs wherever
-nvidia-cutlass-dsl is installed; skips with the reason otherwise.
+split-K (through a thread-block cluster, the default, and through the global
+workspace and tickets) and the ragged-K paths still trace, verify and compile.
+Runs wherever nvidia-cutlass-dsl is installed; skips with the reason otherwise.
 """
 
 import os
@@ -20,7 +21,12 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from ptx_dump import compiled_ptx  # noqa: E402
 
-from kernels.gemm.kernel import RowGroups, SkinnyGemmKernel  # noqa: E402
+from kernels.gemm.kernel import (  # noqa: E402
+    MAX_CLUSTER_SPLIT_K,
+    RowGroups,
+    SkinnyGemmKernel,
+    uses_cluster_split_k,
+)
 
 
 def _ptr(dtype):
@@ -28,17 +34,25 @@ def _ptr(dtype):
     return cute.runtime.make_ptr(dtype, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
 
 
-# (N, K, m_bucket, epilogue, warps_k, split_k, unroll, out_cols, norm_by_every_tile)
+# (N, K, m_bucket, epilogue, warps_k, split_k, unroll, out_cols, norm_by_every_tile,
+#  cluster_split_k); a split of 2..8 goes through the cluster unless the last is False.
 VARIANTS = [
-    (2304, 4096, 8, "plain", 4, 4, 8, None, False),  # grid split-K
-    (2304, 1024, 16, "residual_rmsnorm", 4, 1, 6, None, False),  # last-tile norm
-    (576, 2304, 16, "residual_rmsnorm", 4, 6, 6, None, False),  # split-K + grid ticket
-    (2304, 4096, 8, "residual_rmsnorm", 4, 4, 8, None, True),  # split-K + barrier
-    (2304, 4096, 16, "residual_sumsq", 4, 4, 6, None, False),  # split-K, sums only
-    (2304, 1024, 8, "residual_sumsq", 4, 1, 8, None, False),  # sums only
-    (2008, 1024, 16, "residual_rmsnorm", 4, 1, 6, None, True),  # ragged N + barrier
-    (2016, 2312, 8, "silu_mul", 4, 2, 8, 1004, False),  # ragged K, padded I
-    (1000, 2328, 16, "plain", 2, 1, 6, None, False),  # ragged N and K
+    (2304, 4096, 8, "plain", 4, 4, 8, None, False, True),  # grid split-K
+    (2304, 1024, 16, "residual_rmsnorm", 4, 1, 6, None, False, True),  # last-tile norm
+    (576, 2304, 16, "residual_rmsnorm", 4, 6, 6, None, False, True),  # split-K + grid ticket
+    (2304, 4096, 8, "residual_rmsnorm", 4, 4, 8, None, True, True),  # split-K + barrier
+    (2304, 4096, 16, "residual_sumsq", 4, 4, 6, None, False, True),  # split-K, sums only
+    (2304, 1024, 8, "residual_sumsq", 4, 1, 8, None, False, True),  # sums only
+    (2008, 1024, 16, "residual_rmsnorm", 4, 1, 6, None, True, True),  # ragged N + barrier
+    (2016, 2312, 8, "silu_mul", 4, 2, 8, 1004, False, True),  # ragged K, padded I
+    (1000, 2328, 16, "plain", 2, 1, 6, None, False, True),  # ragged N and K
+    # The global workspace and per-tile tickets (the fallback of larger splits).
+    (2304, 4096, 8, "plain", 4, 4, 8, None, False, False),
+    (576, 2304, 16, "residual_rmsnorm", 4, 6, 6, None, False, False),
+    (2304, 4096, 8, "residual_rmsnorm", 4, 4, 8, None, True, False),
+    (2304, 4096, 16, "residual_sumsq", 4, 4, 6, None, False, False),
+    (2016, 2312, 8, "silu_mul", 4, 2, 8, 1004, False, False),
+    (576, 2304, 8, "plain", 2, 12, 8, None, False, True),  # split 12 > 8: tickets
 ]
 
 
@@ -59,24 +73,70 @@ def test_barrier_polls_with_a_pause_and_times_out_with_one_cas(tmp_path):
     assert ptx.count("atom.global.acq_rel.exch.b32") == 1
 
 
+# The plain epilogue split 4 ways, as o_proj (2304 x 4096) at M <= 8.
+PLAIN_SPLIT = (2304, 4096, 8, "plain", 4, 4, 8, None, False)
+
+
+def _plain_split_kernel(cluster: bool):
+    return _variant_kernel(PLAIN_SPLIT + (cluster,))
+
+
+def test_cluster_split_k_reduces_in_distributed_shared_memory(tmp_path):
+    """The cluster path maps the leader's shared memory (mapa), stores the
+    partials there (st.shared::cluster), passes the existence barrier (relaxed)
+    and the publishing one (release/acquire), and touches no global workspace:
+    no atomic and no GPU-scope fence, which the ticket path has."""
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "ticket").mkdir()
+    cluster = compiled_ptx(
+        tmp_path / "cluster", "test_gemm_compile", "_compile(t._plain_split_kernel(True))"
+    )
+    assert "mapa.shared::cluster" in cluster
+    assert "st.shared::cluster" in cluster
+    assert cluster.count("barrier.cluster.arrive.relaxed;") == 1
+    assert cluster.count("barrier.cluster.arrive;") == 1
+    assert cluster.count("barrier.cluster.wait;") == 2
+    for absent in ("atom.global", "fence.acq_rel.gpu", "membar"):
+        assert absent not in cluster, absent
+    # The same assertions fail on the ticket path: they test the reduction.
+    ticket = compiled_ptx(
+        tmp_path / "ticket", "test_gemm_compile", "_compile(t._plain_split_kernel(False))"
+    )
+    assert "atom.global.acq_rel.add.u32" in ticket and "fence.acq_rel.gpu" in ticket
+    for absent in ("barrier.cluster", "mapa", "shared::cluster"):
+        assert absent not in ticket, absent
+
+
+def test_cluster_split_k_only_for_portable_cluster_sizes():
+    assert not uses_cluster_split_k(1, True)
+    assert all(uses_cluster_split_k(s, True) for s in range(2, MAX_CLUSTER_SPLIT_K + 1))
+    assert not uses_cluster_split_k(MAX_CLUSTER_SPLIT_K + 1, True)
+    assert not uses_cluster_split_k(4, False)
+    kern = _plain_split_kernel(True)
+    assert kern.cluster_shape == [1, 4, 1]
+    assert _plain_split_kernel(False).cluster_shape is None
+
+
 def _variant_id(v):
-    return f"{v[0]}x{v[1]}-m{v[2]}-{v[3]}" + ("-barrier" if v[8] else "")
+    split = ""
+    if v[5] > 1:
+        split = f"-split{v[5]}-" + ("cluster" if uses_cluster_split_k(v[5], v[9]) else "ticket")
+    return f"{v[0]}x{v[1]}-m{v[2]}-{v[3]}" + ("-barrier" if v[8] else "") + split
+
+
+def _variant_kernel(variant):
+    n, k, bucket, epilogue, warps_k, split_k, unroll, out_cols, barrier, cluster = variant
+    return SkinnyGemmKernel(
+        n, k, bucket, epilogue, warps_k, split_k, unroll, out_cols=out_cols,
+        norm_by_every_tile=barrier, cluster_split_k=cluster,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
 def test_compiles_for_sm90a(variant):
-    n, k, bucket, epilogue, warps_k, split_k, unroll, out_cols, barrier = variant
-    kern = SkinnyGemmKernel(
-        n, k, bucket, epilogue, warps_k, split_k, unroll, out_cols=out_cols,
-        norm_by_every_tile=barrier,
-    )  # fmt: skip
-    bf16 = _ptr(cutlass.BFloat16)
-    compiled = cute.compile(
-        kern, bf16, bf16, bf16, bf16, bf16, bf16,
-        _ptr(cutlass.Float32), _ptr(cutlass.Int32), _ptr(cutlass.Float32),
-        cutlass.Int32(1), cuda.CUstream(0),
-    )  # fmt: skip
-    assert compiled is not None
+    kern = _variant_kernel(variant)
+    assert kern.cluster_split_k == uses_cluster_split_k(variant[5], variant[9])
+    assert _compile(kern) is not None
 
 
 def _compile(kern):
