@@ -947,3 +947,26 @@ def test_new_kv_caches_drop_the_logits_of_earlier_captures(monkeypatch):
     executor.maybe_run(torch.arange(4), torch.arange(4))
     executor.bind_kv_caches()
     assert executor.logits_computed_in_graph(CUDAGraphMode.FULL, served, 4) is None
+
+
+@pytest.mark.parametrize(
+    "environ,allowed",
+    [
+        ({}, True),
+        ({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100"}, True),
+        ({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}, False),
+        ({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "ten"}, False),
+    ],
+)
+def test_clusters_only_without_an_mps_thread_limit(environ, allowed):
+    """An MPS client limited to part of the GPU may not fit a cluster on one
+    GPC: the split GEMMs then take the global-memory reduction."""
+    assert decode.clusters_allowed(environ) is allowed
+
+
+def test_kernel_factory_reads_the_mps_limit_once(monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")
+    assert decode.KernelFactory().clusters is False
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    assert decode.KernelFactory().clusters is True
+    assert decode.KernelFactory(clusters=False).clusters is False

@@ -39,6 +39,7 @@ applied), the tensor ``compute_logits`` consumes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,13 +83,43 @@ MOE_INPUT_SUMS = "moe_input_sums"
 KDA_IN_PROJ_PARTS = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_a_proj")
 
 
+# An MPS client limited to part of the GPU's threads (this variable below 100)
+# may be unable to place a thread-block cluster on one GPC; its split GEMMs then
+# reduce K through global memory and atomic tickets, which need no co-scheduling.
+MPS_THREAD_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
+def clusters_allowed(environ: dict[str, str] | None = None) -> bool:
+    """Whether the kernels may launch thread-block clusters here: not under an
+    MPS active-thread limit below 100% (an unparsable value counts as a limit)."""
+    value = (os.environ if environ is None else environ).get(MPS_THREAD_PERCENTAGE_ENV)
+    if value is None:
+        return True
+    try:
+        return float(value) >= 100
+    except ValueError:
+        return False
+
+
 # --------------------------------------------------------------------- kernels
 class KernelFactory:
     """Builds the prepared kernels and the stock ops a step uses.
 
     The default builds the CuTe DSL kernels of ``cutedsl/`` and calls vLLM's own
     ops; CPU tests pass a factory of fakes with the same signatures.
+    ``clusters``: whether split GEMMs reduce through thread-block clusters
+    (default: unless an MPS active-thread limit is set, ``clusters_allowed``).
     """
+
+    def __init__(self, clusters: bool | None = None) -> None:
+        self.clusters = clusters_allowed() if clusters is None else clusters
+        if not self.clusters:
+            logger.info(
+                "Kimi-Linear specialized decode: %s=%s, so the split GEMMs reduce "
+                "through global memory instead of thread-block clusters",
+                MPS_THREAD_PERCENTAGE_ENV,
+                os.environ.get(MPS_THREAD_PERCENTAGE_ENV),
+            )
 
     def gemm(
         self,
@@ -99,12 +130,18 @@ class KernelFactory:
     ) -> Any:
         from ..cutedsl.gemm.prepared import PreparedGemm
 
-        return PreparedGemm(weight, epilogue, rmsnorm_weight=rmsnorm_weight, eps=eps)
+        return PreparedGemm(
+            weight,
+            epilogue,
+            rmsnorm_weight=rmsnorm_weight,
+            eps=eps,
+            cluster_split_k=self.clusters,
+        )
 
     def grouped_gemm(self, weight: torch.Tensor) -> Any:
         from ..cutedsl.gemm.prepared import PreparedGroupedGemm
 
-        return PreparedGroupedGemm(weight)
+        return PreparedGroupedGemm(weight, cluster_split_k=self.clusters)
 
     def kda(
         self,
