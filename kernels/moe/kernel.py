@@ -7,8 +7,14 @@ Four launches per layer, chained with programmatic dependent launch (PDL):
 1. ``MoeRouterKernel``: router logits ``x @ W_gate^T`` (one CTA per 16-expert
    tile, its weight loaded before ``griddepcontrol.wait``; K is split over
    CTAs only for long K, and then the last CTA of the tile reduces), rounded
-   to bf16 as the stock bf16 gate GEMM does; the last tile of the grid (atomic
-   ticket) runs sigmoid + score-correction bias, top-k (ties to the lower
+   to bf16 as the stock bf16 gate GEMM does.  With ``cluster_logits`` (the
+   default when K is not split and there are 2..16 tiles) the tiles' CTAs are
+   one thread-block cluster: each stores its logits into the shared memory of
+   tile 0 through distributed shared memory, one cluster barrier publishes
+   them, and tile 0 routes from its own shared memory (no global logits, GPU
+   fence or atomic ticket).  Otherwise the logits go to global memory and the
+   last tile of the grid (atomic ticket) routes from there.  The routing tile
+   runs sigmoid + score-correction bias, top-k (ties to the lower
    expert id: each lane sorts its experts with a sorting network, then every
    round takes the best of the lanes' heads with two ``redux.sync``),
    renormalisation and scaling for every token, and writes a
@@ -18,8 +24,8 @@ Four launches per layer, chained with programmatic dependent launch (PDL):
    and applies the RMSNorm itself, from per-token sums of squares the
    producing GEMM accumulated (``residual_sumsq``): every CTA normalises the
    rows into shared memory, the first also writes them out as ``x`` for the
-   experts, and the last re-arms the sums.  The producer then needs no grid-wide
-   ticket and whole-row pass between its tiles and the router.
+   experts, and the routing tile re-arms the sums.  The producer then needs no
+   grid-wide ticket and whole-row pass between its tiles and the router.
 2. ``MoeExpertKernel("gate_up")``: for every slot (and the shared expert as
    unit 0), ``h = SiLU(x W_gate^T) * (x W_up^T)`` over the slot's tokens.  The
    gate and the up row of an output column are the two 8-row halves of one
@@ -79,6 +85,14 @@ INPUT_NORM_LOADS_IN_FLIGHT = 8
 # memory: the 8 quad rows of a warp read 16-byte chunks of 8 different token
 # rows, which a 64-byte skew spreads over distinct banks.
 INPUT_ROW_SKEW = 32
+# The router's logits through a thread-block cluster: SM90 launches clusters
+# of up to 8 CTAs portably and up to 16 with the non-portable cluster size
+# opt-in (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, which CuTe DSL
+# sets on every kernel it loads); the cluster is the whole grid [tiles, 1, 1],
+# so a CTA's rank in it is its tile, and tile 0 routes.
+MAX_PORTABLE_CLUSTER = 8
+MAX_CLUSTER_TILES = 16
+CLUSTER_LEADER = 0
 
 
 def _ordered_key(value: Float32) -> Int32:
@@ -135,6 +149,12 @@ def _compare_exchange(keys, ids, a: int, b: int):
     ids[b] = _pick(swap, id_a, id_b)
 
 
+def uses_cluster_logits(tiles: int, split_k: int, cluster_logits: bool) -> bool:
+    """Whether a router launch of ``tiles`` x ``split_k`` CTAs gathers its
+    logits through a thread-block cluster (else global memory and a ticket)."""
+    return cluster_logits and split_k == 1 and 2 <= tiles <= MAX_CLUSTER_TILES
+
+
 def halves_for(m_bucket: int) -> int:
     return 1 if m_bucket <= TOKENS_PER_MMA else 2
 
@@ -163,7 +183,15 @@ class RoutingTable:
 
 
 class MoeRouterKernel:
-    """Router GEMV + top-k + routing table (launch 1)."""
+    """Router GEMV + top-k + routing table (launch 1).
+
+    ``cluster_logits`` (effective when ``split_k == 1`` and 2 <= tiles <=
+    MAX_CLUSTER_TILES, see ``uses_cluster_logits``): the grid is one cluster
+    and the logits meet in tile 0's shared memory; ``logits_ptr`` and
+    ``counter_ptr`` are then never touched (nothing but the router reads the
+    logits: the global copy is written on the ticket path only).  Both paths
+    give the same ids, scores, weights and table bit for bit.
+    """
 
     def __init__(
         self,
@@ -179,6 +207,7 @@ class MoeRouterKernel:
         use_pdl: bool = True,
         input_norm: bool = False,
         input_eps: float = 1e-5,
+        cluster_logits: bool = True,
     ):
         if num_experts % (ROWS_PER_TILE * 2) or num_experts > 32 * WARP_THREADS:
             raise ValueError(
@@ -197,6 +226,9 @@ class MoeRouterKernel:
         self.input_pitch = hidden + INPUT_ROW_SKEW
         self.halves = halves_for(m_bucket)
         self.tiles = num_experts // ROWS_PER_TILE
+        self.cluster_logits = uses_cluster_logits(self.tiles, split_k, cluster_logits)
+        # The whole grid is one cluster (tile t is rank t); None: no cluster.
+        self.cluster_shape = [self.tiles, 1, 1] if self.cluster_logits else None
         self.threads = warps * WARP_THREADS
         if num_experts % self.threads:
             raise ValueError(
@@ -254,6 +286,7 @@ class MoeRouterKernel:
         ).launch(  # fmt: skip
             grid=[self.tiles, self.split_k, 1],
             block=[self.threads, 1, 1],
+            cluster=self.cluster_shape,
             smem=self._smem_bytes(),
             stream=stream,
             use_pdl=self.use_pdl,
@@ -264,8 +297,10 @@ class MoeRouterKernel:
         red = self.warps * WARP_THREADS * 4 * self.halves * 4
         select = 4 * (e * MAX_TOKENS + 2 * MAX_TOKENS * k + 2 * e + 2 * self.warps)
         rows = 2 * self.m_bucket * self.input_pitch if self.input_norm else 0
+        # The cluster's logits [m_bucket, E] FP32 (in every CTA: one layout).
+        logits = 4 * self.m_bucket * e if self.cluster_logits else 0
         # + alignment padding of each allocation
-        return red + select + rows + 4 * WARP_THREADS + 256
+        return red + select + rows + logits + 4 * WARP_THREADS + 256
 
     @cute.kernel
     def kernel(
@@ -288,6 +323,11 @@ class MoeRouterKernel:
         if const_expr(self.use_pdl):
             # The next launch waits for this grid before reading the table.
             cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.cluster_logits):
+            # Remote shared memory may only be written once every CTA of the
+            # cluster has started: arrive now (no ordering needed), wait just
+            # before the first remote store, after this CTA's whole GEMV.
+            cute.arch.cluster_arrive_relaxed()
         tile, split, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % WARP_THREADS
@@ -299,7 +339,11 @@ class MoeRouterKernel:
         red = smem.allocate_tensor(
             Float32, cute.make_layout((self.warps, WARP_THREADS, vals)), 16
         )
-        flag = smem.allocate_tensor(Int32, cute.make_layout((WARP_THREADS,)), 4)
+        # The ticket path's "this CTA routes" flag (the cluster's router is
+        # tile 0, known from the start).
+        flag = None
+        if const_expr(not self.cluster_logits):
+            flag = smem.allocate_tensor(Int32, cute.make_layout((WARP_THREADS,)), 4)
         # Routing scratch: scores[t, e] (sigmoid, unbiased) for the weights;
         # choice[t, k] the k-th expert of token t; per-expert token mask (bit
         # t set when token t picked it) and first expert-output row.
@@ -316,8 +360,16 @@ class MoeRouterKernel:
         warp_totals = smem.allocate_tensor(
             Int32, cute.make_layout((self.warps, 2), stride=(2, 1)), 16
         )
-        if tidx == 0:
-            flag[0] = Int32(0)
+        cluster_logits = None
+        if const_expr(self.cluster_logits):
+            # cluster_logits[t, e]: every tile's logits, stored by the tiles
+            # into tile 0's copy (the other CTAs' copies stay unused).
+            cluster_logits = smem.allocate_tensor(
+                Float32, self._logits_layout(self.m_bucket), 16
+            )
+        else:
+            if tidx == 0:
+                flag[0] = Int32(0)
 
         k_chunks = hidden // CHUNK
         w_chunks = cute.make_tensor(
@@ -361,23 +413,84 @@ class MoeRouterKernel:
             )  # fmt: skip
         total = cute.make_rmem_tensor((vals,), Float32)
         self.mma.reduce_warps(acc, total, red, warp, lane, self.warps)
+        if const_expr(self.cluster_logits):
+            # The biases never change: every CTA loads them now (1 KiB from
+            # L2), so that their round trip overlaps the cluster barrier
+            # instead of following it in tile 0.
+            my_bias = self._load_lane_bias(bias_ptr, lane)
+            # Every thread of every CTA passes the cluster barriers (they count
+            # threads); the other tiles are done after them.
+            self._publish_logits_to_leader(
+                total, tile, warp, quad_row, quad_lane, m, cluster_logits
+            )
+            if tile == CLUSTER_LEADER:
+                self._finish_routing(
+                    tidx, warp, lane, m, bias_ptr, cluster_logits.iterator,
+                    counter_ptr, table_ptr, weight_ptr, sums_ptr, scores, choice,
+                    expert_mask, expert_row0, warp_totals, my_bias,
+                )  # fmt: skip
+        else:
+            if warp == 0:
+                self._publish_logits(
+                    total, tile, split, lane, quad_row, quad_lane, m, partial_ptr,
+                    logits_ptr, counter_ptr, flag,
+                )  # fmt: skip
+            cute.arch.sync_threads()
+            if flag[0] == 1:
+                self._finish_routing(
+                    tidx, warp, lane, m, bias_ptr, logits_ptr, counter_ptr,
+                    table_ptr, weight_ptr, sums_ptr, scores, choice, expert_mask,
+                    expert_row0, warp_totals,
+                )  # fmt: skip
+
+    def _logits_layout(self, rows: int):
+        """logits[t, e] of ``rows`` tokens, expert-contiguous."""
+        e = self.num_experts
+        return cute.make_layout((rows, e), stride=(e, 1))
+
+    @cute.jit
+    def _finish_routing(
+        self, tidx, warp, lane, m, bias_ptr, logits_src, counter_ptr, table_ptr,
+        weight_ptr, sums_ptr, scores, choice, expert_mask, expert_row0, warp_totals,
+        my_bias=None,
+    ):  # fmt: skip
+        """The routing CTA's work once every tile's logits are in
+        ``logits_src`` (global on the ticket path, this CTA's shared memory on
+        the cluster path): re-arm the input sums, then ``_route``."""
+        if const_expr(self.input_norm):  # noqa: SIM102
+            # Every CTA read the sums before its ticket (or before its cluster
+            # barrier arrive): re-arm them for the producer's next launch.
+            if tidx < MAX_TOKENS:
+                sums = cute.make_tensor(sums_ptr, cute.make_layout((MAX_TOKENS,)))
+                sums[tidx] = Float32(0.0)
+        self._route(
+            tidx, warp, lane, m, bias_ptr, logits_src, counter_ptr, table_ptr,
+            weight_ptr, scores, choice, expert_mask, expert_row0, warp_totals,
+            my_bias,
+        )  # fmt: skip
+
+    @cute.jit
+    def _publish_logits_to_leader(
+        self, total, tile, warp, quad_row, quad_lane, m, cluster_logits
+    ):
+        """Cluster path: warp 0 of every tile stores its bf16-rounded logits
+        into tile 0's ``cluster_logits`` (distributed shared memory), then
+        every thread passes the cluster barrier that publishes them."""
+        # Pairs with the relaxed arrive at the start: every CTA exists.
+        cute.arch.cluster_wait()
         if warp == 0:
-            self._publish_logits(
-                total, tile, split, lane, quad_row, quad_lane, m, partial_ptr,
-                logits_ptr, counter_ptr, flag,
-            )  # fmt: skip
-        cute.arch.sync_threads()
-        if flag[0] == 1:
-            if const_expr(self.input_norm):  # noqa: SIM102
-                # Every CTA read the sums before its ticket: re-arm them for
-                # the producer's next launch.
-                if tidx < MAX_TOKENS:
-                    sums = cute.make_tensor(sums_ptr, cute.make_layout((MAX_TOKENS,)))
-                    sums[tidx] = Float32(0.0)
-            self._route(
-                tidx, warp, lane, m, bias_ptr, logits_ptr, counter_ptr, table_ptr,
-                weight_ptr, scores, choice, expert_mask, expert_row0, warp_totals,
-            )  # fmt: skip
+            leader_logits = cute.make_tensor(
+                cute.arch.map_dsmem_ptr(cluster_logits.iterator, CLUSTER_LEADER),
+                cluster_logits.layout,
+            )
+            self._store_tile_logits(
+                total, tile, quad_row, quad_lane, m, leader_logits, remote=True
+            )
+        # Release the remote stores (barrier.cluster.arrive defaults to
+        # .release) and acquire them in tile 0 (wait defaults to .acquire),
+        # cluster scope: no GPU-scope fence, no atomic.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
 
     @cute.jit
     def _normalize_input(
@@ -487,19 +600,8 @@ class MoeRouterKernel:
         self, total, tile, lane, quad_row, quad_lane, m, logits_ptr, counters, flag
     ):
         """Store this tile's bf16-rounded logits; the last tile raises ``flag``."""
-        logits = cute.make_tensor(
-            logits_ptr,
-            cute.make_layout(
-                (MAX_TOKENS, self.num_experts), stride=(self.num_experts, 1)
-            ),
-        )
-        for h in cutlass.range_constexpr(self.halves):
-            for v in cutlass.range_constexpr(4):
-                token = h * TOKENS_PER_MMA + 2 * quad_lane + (v % 2)
-                row = tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * (v // 2)
-                if token < m:
-                    # The stock gate is a bf16 GEMM: its logits are bf16.
-                    logits[token, row] = total[4 * h + v].to(BFloat16).to(Float32)
+        logits = cute.make_tensor(logits_ptr, self._logits_layout(MAX_TOKENS))
+        self._store_tile_logits(total, tile, quad_row, quad_lane, m, logits)
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_warp()
         last = Int32(0)
@@ -513,15 +615,61 @@ class MoeRouterKernel:
                 flag[0] = Int32(1)
 
     @cute.jit
-    def _route(
-        self, tidx, warp, lane, m, bias_ptr, logits_ptr, counter_ptr, table_ptr,
-        weight_ptr, scores, choice, expert_mask, expert_row0, warp_totals,
+    def _store_tile_logits(
+        self, total, tile, quad_row, quad_lane, m, logits,
+        remote: cutlass.Constexpr = False,
     ):  # fmt: skip
-        """Top-k per token (one warp per token) and the routing table."""
+        """``logits[t, e]`` of this tile's 16 experts for the tokens < m
+        (warp 0's C fragments), rounded to bf16.  ``remote``: ``logits`` is
+        another CTA's shared memory (DSMEM), which CuTe tensors do not
+        store to element-wise: a scalar ``st.shared::cluster`` per value."""
+        for h in cutlass.range_constexpr(self.halves):
+            for v in cutlass.range_constexpr(4):
+                token = h * TOKENS_PER_MMA + 2 * quad_lane + (v % 2)
+                row = tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * (v // 2)
+                if token < m:
+                    # The stock gate is a bf16 GEMM: its logits are bf16.
+                    value = total[4 * h + v].to(BFloat16).to(Float32)
+                    if const_expr(remote):
+                        one = cute.make_rmem_tensor((1,), Float32)
+                        one[0] = value
+                        offset = token * self.num_experts + row
+                        dst = cute.make_tensor(
+                            logits.iterator + offset, cute.make_layout((1,))
+                        )
+                        cute.autovec_copy(one, dst)
+                    else:
+                        logits[token, row] = value
+
+    @cute.jit
+    def _load_lane_bias(self, bias_ptr, lane):
+        """The score-correction biases of this lane's E / 32 experts (as
+        ``_route`` assigns them), in 16-byte vectors."""
+        per_lane = self.num_experts // WARP_THREADS
+        lane_bias = cute.make_tensor(
+            bias_ptr, cute.make_layout((WARP_THREADS, per_lane), stride=(per_lane, 1))
+        )
+        my_bias = cute.make_rmem_tensor((per_lane,), Float32)
+        cute.autovec_copy(lane_bias[lane, None], my_bias)
+        return my_bias
+
+    @cute.jit
+    def _route(
+        self, tidx, warp, lane, m, bias_ptr, logits_src, counter_ptr, table_ptr,
+        weight_ptr, scores, choice, expert_mask, expert_row0, warp_totals,
+        my_bias=None,
+    ):  # fmt: skip
+        """Top-k per token (one warp per token) and the routing table, from
+        the logits at ``logits_src``: global memory [MAX_TOKENS, E] after the
+        ticket, or this CTA's shared memory [m_bucket, E] after the cluster
+        barrier (which already acquired them).  ``my_bias``: this lane's
+        biases if already loaded (``_load_lane_bias``), else loaded here."""
         e, top_k, tab = self.num_experts, self.top_k, self.table
         per_lane = e // WARP_THREADS
         per_thread = e // self.threads
-        cute.arch.fence_acq_rel_gpu()
+        if const_expr(not self.cluster_logits):
+            # Acquire the other tiles' global logits after the ticket.
+            cute.arch.fence_acq_rel_gpu()
         table = cute.make_tensor(table_ptr, cute.make_layout((tab.size,)))
         weights = cute.make_tensor(
             weight_ptr, cute.make_layout((MAX_TOKENS, top_k), stride=(top_k, 1))
@@ -540,18 +688,18 @@ class MoeRouterKernel:
         # winning lane then shifts its list by one.  This replaces a P-deep max
         # and a P-deep select chain per round (and before that a shuffle tree
         # carrying value, score and id).
+        logit_rows = MAX_TOKENS
+        if const_expr(self.cluster_logits):
+            logit_rows = self.m_bucket
         lane_logits = cute.make_tensor(
-            logits_ptr,
+            logits_src,
             cute.make_layout(
-                (MAX_TOKENS, WARP_THREADS, per_lane), stride=(e, per_lane, 1)
+                (logit_rows, WARP_THREADS, per_lane), stride=(e, per_lane, 1)
             ),
         )
-        lane_bias = cute.make_tensor(
-            bias_ptr, cute.make_layout((WARP_THREADS, per_lane), stride=(per_lane, 1))
-        )
         first_id = lane * per_lane
-        my_bias = cute.make_rmem_tensor((per_lane,), Float32)
-        cute.autovec_copy(lane_bias[lane, None], my_bias)
+        if const_expr(my_bias is None):
+            my_bias = self._load_lane_bias(bias_ptr, lane)
         for t in cutlass.range(warp, m, self.warps):
             my_logits = cute.make_rmem_tensor((per_lane,), Float32)
             cute.autovec_copy(lane_logits[t, lane, None], my_logits)
@@ -654,11 +802,13 @@ class MoeRouterKernel:
             ex = choice[t, p % top_k]
             below = expert_mask[ex] & ((Int32(1) << t) - 1)
             table[tab.route_row + p] = expert_row0[ex] + cute.arch.popc(below)
-        if tidx == 0:
-            counters = cute.make_tensor(
-                counter_ptr, cute.make_layout((self.tiles + 1,))
-            )
-            counters[self.tiles] = Int32(0)
+        if const_expr(not self.cluster_logits):  # noqa: SIM102
+            if tidx == 0:
+                # Re-arm the grid ticket for the next launch.
+                counters = cute.make_tensor(
+                    counter_ptr, cute.make_layout((self.tiles + 1,))
+                )
+                counters[self.tiles] = Int32(0)
 
 
 class MoeExpertKernel:

@@ -33,6 +33,7 @@ from .kernel import (
     MoeExpertKernel,
     MoeRouterKernel,
     RoutingTable,
+    uses_cluster_logits,
 )
 
 M_BUCKETS = (1, 2, 4, 8, 16)
@@ -54,6 +55,15 @@ ROUTER_WARPS = 8
 # launch, split 1 vs 3).  K is split only when a warp's steps would exceed
 # ROUTER_MAX_STEPS (Kimi-Linear: 9 steps, 96-98 registers at M = 1 and 16).
 ROUTER_MAX_STEPS = 12
+# The router's logits go through a thread-block cluster for these M-buckets
+# only: on the H200 (2026-12-02, scripts/ab_router_cluster.py, both paths
+# bit-identical) o_proj + MoE took 1.7-2.2 us less per layer at M = 1 and 2;
+# larger buckets keep the global logits and ticket until their GPU tests and
+# A/B have run.
+ROUTER_CLUSTER_MAX_BUCKET = 2
+# Elements of a placeholder buffer the kernels never dereference (a valid
+# 16-byte aligned pointer for an argument the compiled variant ignores).
+PLACEHOLDER_ELEMS = 4
 
 _COMPILED: dict[tuple, object] = {}
 COMPILE_SECONDS: dict[tuple, float] = {}
@@ -143,6 +153,17 @@ class PreparedMoe:
     ``residual``, which a ``residual_sumsq`` GEMM adds up; the router re-arms
     them to zero) and writes ``x = rmsnorm(residual) * input_norm_weight``,
     which the experts then read: ``x`` is an output of ``run`` then.
+
+    ``router_cluster`` (default): for M-buckets up to
+    ``router_cluster_max_bucket`` (default ``ROUTER_CLUSTER_MAX_BUCKET``; tests
+    and the A/B raise it to take the cluster path at every M), the router's
+    CTAs (one per 16 experts, when K is not split and E <= 256) form one
+    thread-block cluster and gather their logits in the first CTA's shared
+    memory, which routes from there; False, a larger bucket or a shape outside
+    that range takes the global logits and an atomic ticket.  Same routing bit for bit.
+    ``router_cluster_for(m)`` says which one a run of ``m`` tokens takes;
+    ``self.logits`` (FP32 [16 * E]) holds the bf16-rounded logits of the last
+    run that took the ticket path (the cluster path does not write them).
     """
 
     def __init__(
@@ -162,6 +183,8 @@ class PreparedMoe:
         config: MoeConfig | None = None,
         input_norm_weight: torch.Tensor | None = None,
         input_eps: float = 1e-5,
+        router_cluster: bool = True,
+        router_cluster_max_bucket: int = ROUTER_CLUSTER_MAX_BUCKET,
     ):
         if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
             raise ValueError("w13 must be a 3-D [E, 2*I, H] torch.Tensor")
@@ -238,9 +261,15 @@ class PreparedMoe:
         table = RoutingTable(num_experts, top_k)
         self.split_k, self.router_steps = router_split(hidden)
         tiles = num_experts // 16
-        # Workspace: router partials + logits, counters, routing table and
-        # weights, the gate_up output h and the FP32 expert outputs y.
-        partial_elems = tiles * self.split_k * 32 * 8 if self.split_k > 1 else 4
+        self.router_cluster = uses_cluster_logits(tiles, self.split_k, router_cluster)
+        self.router_cluster_max_bucket = router_cluster_max_bucket
+        # Workspace: router partials + logits (written on the ticket path
+        # only: the cluster path keeps them in shared memory), counters,
+        # routing table and weights, the gate_up output h and the FP32 expert
+        # outputs y.
+        partial_elems = (
+            tiles * self.split_k * 32 * 8 if self.split_k > 1 else PLACEHOLDER_ELEMS
+        )
         f32, i32 = torch.float32, torch.int32
         dev = self.device
         self.partials = torch.empty(partial_elems, dtype=f32, device=dev)
@@ -259,6 +288,14 @@ class PreparedMoe:
         self.extra_bytes = 0
         self._fns: dict[int, tuple] = {}
 
+    def _router_cluster_bucket(self, bucket: int) -> bool:
+        return self.router_cluster and bucket <= self.router_cluster_max_bucket
+
+    def router_cluster_for(self, m: int) -> bool:
+        """Whether a run of ``m`` tokens gathers the router's logits through
+        the cluster (else the global logits and the ticket)."""
+        return self._router_cluster_bucket(m_bucket_for(m))
+
     # ------------------------------------------------------------- compiling
     def _kernels(self, bucket: int) -> tuple:
         s = self.shape
@@ -270,6 +307,7 @@ class PreparedMoe:
                 s.hidden, s.num_experts, s.top_k, bucket, self.split_k,
                 ROUTER_WARPS, self.router_steps, self.scale, self.renormalize,
                 self.use_pdl, self.input_gamma is not None, self.input_eps,
+                self._router_cluster_bucket(bucket),
             ),
             MoeExpertKernel(
                 STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
@@ -290,6 +328,7 @@ class PreparedMoe:
             self.shape, bucket, self.split_k, self.scale, self.renormalize,
             self.gamma is not None, self.eps, self.use_pdl, self.config,
             self.input_gamma is not None, self.input_eps,
+            self._router_cluster_bucket(bucket),
         )  # fmt: skip
 
     def compile(self, buckets=M_BUCKETS) -> dict[int, float]:

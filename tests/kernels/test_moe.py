@@ -9,7 +9,11 @@ nvidia-cutlass-dsl; skips with the reason otherwise.
 Routing is checked exactly: the kernel's bf16 logits must equal the FP64
 logits rounded to bf16 up to one bf16 ulp plus the FP32 accumulation error,
 and the expert ids (in choice order) must equal the reference top-k computed
-from the kernel's own logits; the weights to 1e-5 relative.
+from the kernel's own logits; the weights to 1e-5 relative.  The router
+gathers its logits either through a thread-block cluster (the default, kept
+in shared memory) or through global memory and a ticket; the key routing
+tests run both, and both must give the same table, weights and outputs bit
+for bit.
 
 Output tolerances (bf16 output; the kernel rounds the SiLU*up intermediate to
 bf16 as vLLM's fused_moe does, the reference keeps FP32):
@@ -30,7 +34,11 @@ if torch.cuda.get_device_capability() != (9, 0):
 
 from moe_reference import moe_reference, router_logits, select_experts  # noqa: E402
 
-from kernels.moe.prepared import PreparedMoe  # noqa: E402
+from kernels.moe.prepared import (  # noqa: E402
+    M_BUCKETS,
+    ROUTER_CLUSTER_MAX_BUCKET,
+    PreparedMoe,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,6 +47,12 @@ ATOL = RTOL = 3e-2
 NORM_RTOL = 8e-3
 EPS = 1e-5
 ONE_SET = [5, 40, 77, 100, 128, 200, 254, 255]
+# The "cluster" cases take the cluster path at every M-bucket (the default stops
+# at ROUTER_CLUSTER_MAX_BUCKET, whose runs the other tests' defaults cover).
+ALL_BUCKETS = max(M_BUCKETS)
+# The router's logits through a cluster (PreparedMoe's router_cluster) or
+# through global memory and an atomic ticket.
+ROUTER_PATHS = pytest.mark.parametrize("router_cluster", [True, False], ids=["cluster", "ticket"])
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +82,8 @@ def _routing_case(regime: str, m: int, seed: int):
     if regime == "random":
         gate = torch.randn(EXPERTS, HIDDEN, generator=g, device=dev) * HIDDEN**-0.5
         bias = 0.1 * torch.randn(EXPERTS, generator=g, device=dev)
+    elif regime == "balanced":  # bench_moe's: logits ~ N(0, 1), no bias
+        gate = torch.randn(EXPERTS, HIDDEN, generator=g, device=dev) * HIDDEN**-0.5
     elif regime == "dummy":  # vLLM's dummy loader: U(-1e-3, 1e-3) everywhere
         gate = (torch.rand(EXPERTS, HIDDEN, generator=g, device=dev) - 0.5) * 2e-3
         bias = (torch.rand(EXPERTS, generator=g, device=dev) - 0.5) * 2e-3
@@ -93,12 +109,15 @@ def _routing_case(regime: str, m: int, seed: int):
     return x, gate.to(bf16).contiguous(), bias
 
 
-def _prepare(experts, gate, bias, fused=False):
-    return PreparedMoe(
+def _prepare(experts, gate, bias, fused=False, router_cluster=True):
+    moe = PreparedMoe(
         gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
         experts["shared_down"], TOP_K, SCALE,
         rmsnorm_weight=experts["gamma"] if fused else None, eps=EPS,
+        router_cluster=router_cluster, router_cluster_max_bucket=ALL_BUCKETS,
     )  # fmt: skip
+    assert moe.router_cluster == router_cluster  # 16 tiles, K not split
+    return moe
 
 
 def _assert_close(got: torch.Tensor, ref: torch.Tensor, what: str):
@@ -111,9 +130,28 @@ def _assert_close(got: torch.Tensor, ref: torch.Tensor, what: str):
     assert norm <= NORM_RTOL, f"{what}: normwise error {norm:.3e} > {NORM_RTOL}"
 
 
+def _kernel_logits(moe: PreparedMoe, x, m):
+    """The router's bf16-rounded logits [m, E] of the last run on ``x``.
+
+    The ticket path leaves them in ``moe.logits``.  The cluster path (M-buckets
+    up to ROUTER_CLUSTER_MAX_BUCKET) keeps them in shared memory only, so they
+    are taken from a ticket-path twin on the same x and gate weight: the same
+    MMAs and rounding, hence the same bits (the twin's routing is compared with
+    the cluster's bit for bit in test_router_paths_are_bit_identical)."""
+    if not moe.router_cluster_for(m):
+        return moe.logits[: m * EXPERTS].view(m, EXPERTS)
+    twin = PreparedMoe(
+        moe.gate_weight, moe.bias, moe.w13, moe.w2, moe.shared_gate_up,
+        moe.shared_down, moe.top_k, moe.scale, moe.renormalize, router_cluster=False,
+    )  # fmt: skip
+    twin.run(x, torch.empty_like(x))
+    torch.cuda.synchronize()
+    return twin.logits[: m * EXPERTS].view(m, EXPERTS)
+
+
 def _check_routing(moe: PreparedMoe, x, gate, bias, m):
     """Kernel logits vs FP64 within 1 bf16 ulp; ids exact; weights 1e-5."""
-    got_logits = moe.logits[: m * EXPERTS].view(m, EXPERTS)
+    got_logits = _kernel_logits(moe, x, m)
     ref_logits = router_logits(x, gate)
     # One bf16 ulp of the value, plus the FP32 accumulation error of a
     # K = 2304 dot product (~sqrt(K) * 2^-24 of the sum of |terms|, taken
@@ -130,9 +168,9 @@ def _check_routing(moe: PreparedMoe, x, gate, bias, m):
     return ref_ids, ref_weights
 
 
-def _run_and_check(experts, regime, m, seed, fused=False):
+def _run_and_check(experts, regime, m, seed, fused=False, router_cluster=True):
     x, gate, bias = _routing_case(regime, m, seed)
-    moe = _prepare(experts, gate, bias, fused)
+    moe = _prepare(experts, gate, bias, fused, router_cluster)
     out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
     if fused:
         residual = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
@@ -158,24 +196,27 @@ def _run_and_check(experts, regime, m, seed, fused=False):
     return ids
 
 
+@ROUTER_PATHS
 @pytest.mark.parametrize("m", range(1, 17))
-def test_random_routing(experts, m):
-    _run_and_check(experts, "random", m, seed=m)
+def test_random_routing(experts, m, router_cluster):
+    _run_and_check(experts, "random", m, seed=m, router_cluster=router_cluster)
 
 
+@ROUTER_PATHS
 @pytest.mark.parametrize("m", [1, 3, 8, 16])
-def test_dummy_loader_routing(experts, m):
-    _run_and_check(experts, "dummy", m, seed=100 + m)
+def test_dummy_loader_routing(experts, m, router_cluster):
+    _run_and_check(experts, "dummy", m, seed=100 + m, router_cluster=router_cluster)
 
 
+@ROUTER_PATHS
 @pytest.mark.parametrize("m", [1, 7, 16])
-def test_negative_biased_scores(experts, m):
+def test_negative_biased_scores(experts, m, router_cluster):
     # top-k compares integer keys of the biased scores: negative ones must
     # order as the floats do.
     x, gate, bias = _routing_case("signed", m, seed=150 + m)
     biased = torch.sigmoid(router_logits(x, gate).float()) + bias
     assert (biased < 0).any() and (biased > 0).any()
-    _run_and_check(experts, "signed", m, seed=150 + m)
+    _run_and_check(experts, "signed", m, seed=150 + m, router_cluster=router_cluster)
 
 
 @pytest.mark.parametrize("m", [1, 16])
@@ -190,11 +231,12 @@ def test_all_tokens_on_distinct_experts(experts, m):
     assert ids.unique().numel() == TOP_K * m
 
 
+@ROUTER_PATHS
 @pytest.mark.parametrize("m", [1, 16])
-def test_ties_go_to_lower_expert_ids(experts, m):
-    ids = _run_and_check(experts, "ties", m, seed=400 + m)
+def test_ties_go_to_lower_expert_ids(experts, m, router_cluster):
+    ids = _run_and_check(experts, "ties", m, seed=400 + m, router_cluster=router_cluster)
     assert (ids.cpu() == torch.arange(TOP_K)).all()
-    ids = _run_and_check(experts, "bias_ties", m, seed=500 + m)
+    ids = _run_and_check(experts, "bias_ties", m, seed=500 + m, router_cluster=router_cluster)
     assert (ids.cpu() == torch.arange(3, 4 * TOP_K, 4)).all()
 
 
@@ -203,10 +245,11 @@ def test_fused_residual_rmsnorm(experts, m):
     _run_and_check(experts, "random", m, seed=600 + m, fused=True)
 
 
+@ROUTER_PATHS
 @pytest.mark.parametrize("m", [1, 16])
-def test_graph_replays_are_bit_identical(experts, m):
+def test_graph_replays_are_bit_identical(experts, m, router_cluster):
     x, gate, bias = _routing_case("random", m, seed=700 + m)
-    moe = _prepare(experts, gate, bias, fused=True)
+    moe = _prepare(experts, gate, bias, fused=True, router_cluster=router_cluster)
     out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
     residual = torch.randn(m, HIDDEN, device="cuda").to(torch.bfloat16)
     residual_out = torch.empty_like(residual)
@@ -225,12 +268,15 @@ def test_graph_replays_are_bit_identical(experts, m):
         assert torch.equal(residual_out, first_res), f"replay {i}: residual changed"
 
 
-def _prepare_input_norm(experts, gate, bias):
-    return PreparedMoe(
+def _prepare_input_norm(experts, gate, bias, router_cluster=True):
+    moe = PreparedMoe(
         gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
         experts["shared_down"], TOP_K, SCALE, rmsnorm_weight=experts["gamma"],
         eps=EPS, input_norm_weight=experts["input_gamma"], input_eps=EPS,
+        router_cluster=router_cluster, router_cluster_max_bucket=ALL_BUCKETS,
     )  # fmt: skip
+    assert moe.router_cluster == router_cluster
+    return moe
 
 
 def _normed_reference(residual, gamma):
@@ -247,14 +293,15 @@ def _assert_within_one_bf16_ulp(got, ref, what):
     assert excess <= 0, f"{what}: off by more than one bf16 ulp ({excess:.2e})"
 
 
+@ROUTER_PATHS
 @pytest.mark.parametrize("m", [1, 5, 8, 16])
-def test_router_normalises_the_residual_itself(experts, m):
+def test_router_normalises_the_residual_itself(experts, m, router_cluster):
     """input_norm: the router reads the residual and the producer's sums of
     squares, writes x = rmsnorm(residual) * gamma (one bf16 ulp of the
     reference; the rsqrt is the hardware's), routes on it, and re-arms the
     sums; the block's output matches the reference from that x."""
     _, gate, bias = _routing_case("random", m, seed=900 + m)
-    moe = _prepare_input_norm(experts, gate, bias)
+    moe = _prepare_input_norm(experts, gate, bias, router_cluster)
     g = torch.Generator(device="cuda").manual_seed(950 + m)
     residual = (2 * torch.randn(m, HIDDEN, generator=g, device="cuda")).to(torch.bfloat16)
     moe.input_sums[:m] = residual.float().pow(2).sum(dim=-1)
@@ -308,10 +355,11 @@ def test_residual_sumsq_then_router_norm_equals_the_gemm_norm(experts, m):
     _assert_close(res_out_a, res_out_b, "residual_out")
 
 
+@ROUTER_PATHS
 @pytest.mark.parametrize("m", [1, 16])
-def test_input_norm_graph_replays_are_bit_identical(experts, m):
+def test_input_norm_graph_replays_are_bit_identical(experts, m, router_cluster):
     _, gate, bias = _routing_case("random", m, seed=1100 + m)
-    moe = _prepare_input_norm(experts, gate, bias)
+    moe = _prepare_input_norm(experts, gate, bias, router_cluster)
     g = torch.Generator(device="cuda").manual_seed(1150 + m)
     residual = torch.randn(m, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
     sums = residual.float().pow(2).sum(dim=-1)
@@ -334,6 +382,59 @@ def test_input_norm_graph_replays_are_bit_identical(experts, m):
         torch.cuda.synchronize()
         for got, want, what in zip((x, out, residual_out), first, ("x", "out", "residual")):
             assert torch.equal(got, want), f"replay {i}: {what} changed"
+
+
+def _bits_equal(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    assert not got.isnan().any(), f"{what}: NaN (unwritten output?)"
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}.get(got.dtype)
+    a, b = (got, want) if bits is None else (got.view(bits), want.view(bits))
+    assert torch.equal(a, b), f"{what}: {int((got != want).sum())} elements differ"
+
+
+@pytest.mark.parametrize("input_norm", [False, True], ids=["plain", "input_norm"])
+@pytest.mark.parametrize("regime", ["dummy", "balanced"])
+@pytest.mark.parametrize("m", M_BUCKETS)
+def test_router_paths_are_bit_identical(experts, m, regime, input_norm):
+    """The cluster path (logits in tile 0's shared memory) and the ticket path
+    (global logits, atomic ticket) route from the same bf16 logits with the
+    same code: the same table, route weights, normalised x and MoE output bit
+    for bit.  The cluster path never touches the ticket counters."""
+    seed = 1200 + 10 * m + (regime == "balanced")
+    x, gate, bias = _routing_case(regime, m, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    residual = torch.randn(m, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    results = {}
+    for router_cluster in (True, False):
+        if input_norm:
+            moe = _prepare_input_norm(experts, gate, bias, router_cluster)
+            moe.input_sums[:m] = residual.float().pow(2).sum(dim=-1)
+            x = torch.full_like(residual, float("nan"))
+        else:
+            moe = _prepare(experts, gate, bias, router_cluster=router_cluster)
+        assert moe.router_cluster_for(m) == router_cluster
+        out = torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+        if input_norm:
+            residual_out = torch.full_like(out, float("nan"))
+            moe.run(x, out, residual, residual_out)
+        else:
+            residual_out = None
+            moe.run(x, out)
+        torch.cuda.synchronize()
+        if input_norm:
+            assert float(moe.input_sums.abs().sum()) == 0.0, "sums not re-armed"
+        assert int(moe.counters.abs().sum()) == 0
+        results[router_cluster] = {
+            "table": moe.table.clone(),
+            "route_weights": moe.route_weights[: m * TOP_K].clone(),
+            "x": x.clone(),
+            "out": out,
+            "residual_out": residual_out,
+        }
+    cluster, ticket = results[True], results[False]
+    for what in ("table", "route_weights", "x", "out", "residual_out"):
+        if ticket[what] is not None:
+            _bits_equal(cluster[what], ticket[what], f"{regime} M={m} {what}")
 
 
 def test_input_norm_bad_arguments(experts):
@@ -379,3 +480,18 @@ def test_bad_inputs_raise_before_launch(experts):
             gate, bias, experts["w13"], experts["w13"], experts["shared_gate_up"],
             experts["shared_down"], TOP_K, SCALE,
         )  # fmt: skip
+
+
+def test_default_router_cluster_stops_at_its_measured_buckets(experts):
+    """By default only the M-buckets measured on the H200 take the cluster."""
+    _, gate, bias = _routing_case("random", 1, seed=1)
+    moe = PreparedMoe(
+        gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+        experts["shared_down"], TOP_K, SCALE,
+    )  # fmt: skip
+    for m in M_BUCKETS:
+        assert moe.router_cluster_for(m) == (m <= ROUTER_CLUSTER_MAX_BUCKET), m
+    assert not PreparedMoe(
+        gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+        experts["shared_down"], TOP_K, SCALE, router_cluster=False,
+    ).router_cluster_for(1)  # fmt: skip

@@ -4,8 +4,9 @@
 
 Catches CuTe DSL tracing/verification errors on CPU for each launch of the
 block, both MMA widths (M-bucket <= 8 and 16), with and without the fused
-residual + RMSNorm, at the Kimi-Linear-48B-A3B shape.  Skips with the reason
-where nvidia-cutlass-dsl is not installed.
+residual + RMSNorm, the router's logits through a thread-block cluster and
+through global memory and a ticket, at the Kimi-Linear-48B-A3B shape.  Skips
+with the reason where nvidia-cutlass-dsl is not installed.
 """
 
 import os
@@ -18,14 +19,18 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl (CuTe DSL) is not inst
 import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from ptx_dump import compiled_ptx  # noqa: E402
+from ptx_dump import compiled_ir, compiled_ptx  # noqa: E402
 
 from kernels.moe.kernel import (  # noqa: E402
+    MAX_CLUSTER_TILES,
+    MAX_PORTABLE_CLUSTER,
     MoeCombineKernel,
     MoeExpertKernel,
     MoeRouterKernel,
+    uses_cluster_logits,
 )
 from kernels.moe.prepared import (  # noqa: E402
+    M_BUCKETS,
     ROUTER_MAX_STEPS,
     ROUTER_WARPS,
     MoeShape,
@@ -50,18 +55,32 @@ def _compile_router(kern):
     return cute.compile(kern, BF16, BF16, F32, F32, F32, I32, I32, F32, F32, BF16, BF16, M, STREAM)
 
 
-def _router(bucket, input_norm=False):
+# The router's two ways of gathering the tiles' logits (MoeRouterKernel's
+# cluster_logits): tile 0's shared memory through a cluster, or global memory
+# and an atomic ticket.
+PATHS = {"cluster": True, "ticket": False}
+# SM90's shared memory per CTA with the opt-in (227 KiB), and what the router
+# may take of it: the rest stays free for the CTAs of the kernel it overlaps
+# under PDL (o_proj's take a few KiB each).
+SM90_MAX_SMEM_PER_CTA = 227 * 1024
+ROUTER_SMEM_BUDGET = 128 * 1024
+
+
+def _router(bucket, input_norm=False, path="cluster"):
     split, steps = router_split(HIDDEN)
     return MoeRouterKernel(
         HIDDEN, EXPERTS, TOP_K, bucket, split, ROUTER_WARPS, steps, 2.446,
-        input_norm=input_norm,
+        input_norm=input_norm, cluster_logits=PATHS[path],
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("bucket", [1, 16])
 @pytest.mark.parametrize("input_norm", [False, True])
-def test_router_compiles(bucket, input_norm):
-    assert _compile_router(_router(bucket, input_norm))
+def test_router_compiles(bucket, input_norm, path):
+    kern = _router(bucket, input_norm, path)
+    assert kern.cluster_logits == PATHS[path]
+    assert _compile_router(kern)
 
 
 @pytest.mark.parametrize("bucket", [1, 16])
@@ -81,6 +100,8 @@ def test_router_input_norm_reads_the_sums_from_l2_and_the_rows_from_smem(tmp_pat
 )
 def test_router_topk_compiles_for_other_lane_widths(experts, warps):
     kern = MoeRouterKernel(HIDDEN, experts, TOP_K, 1, 1, warps, 9, 2.446)
+    # 4 tiles: one cluster; 64 tiles: more than a cluster holds, the ticket.
+    assert kern.cluster_shape == ([experts // 16, 1, 1] if experts <= 256 else None)
     assert _compile_router(kern)
 
 
@@ -137,7 +158,7 @@ def test_router_topk_rounds_are_two_redux_on_the_lanes_heads(tmp_path):
     """Top-k: two redux.sync per round and, between a round's max and min, only
     the compare of the head with the max and the select of its id (the lanes
     sorted their experts first); the sort and the head shifts stay in registers."""
-    text = compiled_ptx(tmp_path, "test_moe_compile", "test_router_compiles(1, False)")
+    text = compiled_ptx(tmp_path, "test_moe_compile", "test_router_compiles(1, False, 'cluster')")
     lines = [ln.strip() for ln in text.splitlines()]
     redux = [n for n, ln in enumerate(lines) if ln.startswith("redux.sync")]
     assert len(redux) == 2 * TOP_K
@@ -145,3 +166,97 @@ def test_router_topk_rounds_are_two_redux_on_the_lanes_heads(tmp_path):
         assert lines[a].startswith("redux.sync.max") and lines[b].startswith("redux.sync.min")
         assert b - a <= 3
     assert "ld.local" not in text and "st.local" not in text
+
+
+def _router_ptx(tmp_path, bucket, input_norm, path):
+    out = tmp_path / path
+    out.mkdir()
+    call = f"_compile_router(t._router({bucket}, {input_norm}, {path!r}))"
+    return compiled_ptx(out, "test_moe_compile", call)
+
+
+def _count(ptx: str, prefix: str) -> int:
+    """Instructions of ``ptx`` that start with ``prefix``."""
+    return sum(ln.strip().startswith(prefix) for ln in ptx.splitlines())
+
+
+@pytest.mark.parametrize("bucket, input_norm", [(1, False), (16, True)])
+def test_router_cluster_gathers_the_logits_in_distributed_shared_memory(
+    tmp_path, bucket, input_norm
+):
+    """The cluster path maps tile 0's shared memory (mapa), stores the logits
+    there (st.shared::cluster), passes the existence barrier (relaxed) and the
+    publishing one (release / acquire), and has exactly the logits ticket
+    fewer: one atom.global (the ticket's add) and two fence.acq_rel.gpu (its
+    release and the router's acquire) less than the ticket path, whose PTX has
+    none of the cluster instructions.  The logits are still read as 16-byte
+    vectors (from shared instead of global memory), the griddepcontrol calls
+    keep their place, and nothing spills."""
+    cluster = _router_ptx(tmp_path, bucket, input_norm, "cluster")
+    ticket = _router_ptx(tmp_path, bucket, input_norm, "ticket")
+    assert "mapa.shared::cluster" in cluster
+    assert "st.shared::cluster" in cluster
+    assert _count(cluster, "barrier.cluster.arrive.relaxed;") == 1
+    assert _count(cluster, "barrier.cluster.arrive;") == 1
+    assert _count(cluster, "barrier.cluster.wait;") == 2
+    assert _count(ticket, "atom.global.acq_rel.add") == 1
+    assert _count(cluster, "atom.global") == _count(ticket, "atom.global") - 1
+    assert _count(cluster, "fence.acq_rel.gpu") == _count(ticket, "fence.acq_rel.gpu") - 2
+    assert "fence" not in cluster and "membar" not in cluster
+    # E / 32 = 8 logits per lane: two 16-byte vectors, from smem now.
+    assert _count(cluster, "ld.shared.v4") == _count(ticket, "ld.shared.v4") + 2
+    assert _count(cluster, "ld.global.v4") == _count(ticket, "ld.global.v4") - 2
+    for ptx in (cluster, ticket):
+        assert _count(ptx, "griddepcontrol.launch_dependents;") == 1
+        assert _count(ptx, "griddepcontrol.wait;") == 1
+        assert "ld.local" not in ptx and "st.local" not in ptx
+    # Launch-dependents first, then the relaxed arrive, the GEMV's wait, and
+    # the first cluster wait only after it.
+    order = [
+        cluster.index(s)
+        for s in (
+            "griddepcontrol.launch_dependents;",
+            "barrier.cluster.arrive.relaxed;",
+            "griddepcontrol.wait;",
+            "barrier.cluster.wait;",
+        )
+    ]
+    assert order == sorted(order)
+    # The same assertions fail on the ticket path: they test the gathering.
+    for absent in ("barrier.cluster", "mapa", "shared::cluster"):
+        assert absent not in ticket, absent
+
+
+def test_router_cluster_of_16_ctas_is_allowed_non_portable(tmp_path):
+    """16 CTAs is beyond SM90's portable cluster size (8): the launch asks for
+    a (16, 1, 1) cluster and CuTe DSL marks the kernel with the
+    non-portable-cluster-size attribute (its ``cu_attrs``; its loader also sets
+    CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED on every kernel)."""
+    ir = compiled_ir(tmp_path, "test_moe_compile", "_compile_router(t._router(16, True))")
+    assert EXPERTS // 16 == MAX_CLUSTER_TILES > MAX_PORTABLE_CLUSTER
+    assert "non_portable_cluster_size_allowed = 1" in ir
+    assert "cuda.launch_cfg.cluster_dim[%2] (%c16_i32, %c1_i32, %c1_i32)" in ir
+    assert "programmatic_stream_serialization_allowed[%2] %c1_i32" in ir
+
+
+def test_router_cluster_only_for_one_cluster_of_unsplit_tiles():
+    assert uses_cluster_logits(16, 1, True)
+    assert uses_cluster_logits(2, 1, True)
+    assert not uses_cluster_logits(16, 1, False)
+    assert not uses_cluster_logits(16, 2, True)  # split K: the per-tile tickets
+    assert not uses_cluster_logits(1, 1, True)
+    assert not uses_cluster_logits(MAX_CLUSTER_TILES + 1, 1, True)
+    assert _router(1).cluster_shape == [16, 1, 1]
+    assert _router(1, path="ticket").cluster_shape is None
+
+
+@pytest.mark.parametrize("input_norm", [False, True])
+def test_router_cluster_shared_memory_fits(input_norm):
+    """The cluster path adds the logits [m_bucket, E] FP32 to each CTA's shared
+    memory (16 KiB at M-bucket 16) and stays well inside SM90's 227 KiB
+    (largest: 116.4 KiB, input_norm at M-bucket 16)."""
+    for bucket in M_BUCKETS:
+        cluster = _router(bucket, input_norm)._smem_bytes()
+        ticket = _router(bucket, input_norm, "ticket")._smem_bytes()
+        assert cluster == ticket + 4 * bucket * EXPERTS
+        assert cluster <= ROUTER_SMEM_BUDGET < SM90_MAX_SMEM_PER_CTA

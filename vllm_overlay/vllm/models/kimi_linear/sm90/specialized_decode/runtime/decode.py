@@ -107,16 +107,17 @@ class KernelFactory:
 
     The default builds the CuTe DSL kernels of ``cutedsl/`` and calls vLLM's own
     ops; CPU tests pass a factory of fakes with the same signatures.
-    ``clusters``: whether split GEMMs reduce through thread-block clusters
-    (default: unless an MPS active-thread limit is set, ``clusters_allowed``).
+    ``clusters``: whether split GEMMs reduce K and the MoE router gathers its
+    logits through thread-block clusters (default: unless an MPS active-thread
+    limit is set, ``clusters_allowed``).
     """
 
     def __init__(self, clusters: bool | None = None) -> None:
         self.clusters = clusters_allowed() if clusters is None else clusters
         if not self.clusters:
             logger.info(
-                "Kimi-Linear specialized decode: %s=%s, so the split GEMMs reduce "
-                "through global memory instead of thread-block clusters",
+                "Kimi-Linear specialized decode: %s=%s, so the split GEMMs and the "
+                "MoE router go through global memory, not thread-block clusters",
                 MPS_THREAD_PERCENTAGE_ENV,
                 os.environ.get(MPS_THREAD_PERCENTAGE_ENV),
             )
@@ -178,7 +179,7 @@ class KernelFactory:
     def moe(self, **kwargs: Any) -> Any:
         from ..cutedsl.moe.prepared import PreparedMoe
 
-        return PreparedMoe(**kwargs)
+        return PreparedMoe(**kwargs, router_cluster=self.clusters)
 
     def mla_cache_row(
         self, norm_weight: torch.Tensor, eps: float, kv_cache: torch.Tensor, rope: int
