@@ -16,6 +16,11 @@
 #                                        # step by phase (scripts/profile_host_loop.py,
 #                                        # ~2.5 min per engine), e.g. auto:v2;
 #                                        # HD_HOST_LOOP_TOKENS=1024 as make bench
+#   sh ci/gpu/device_session.sh kernel-round [TEST...]  # GPU kernel tests (default
+#                                        # tests/kernels/test_moe.py) then the MoE router's
+#                                        # cluster-vs-ticket A/B at HD_AB_M (default every M),
+#                                        # each under its own time limit (HD_KERNEL_TESTS_S,
+#                                        # HD_AB_S); works in the vllm bundle (it holds CuTe DSL)
 #   sh ci/gpu/device_session.sh save-caches         # the host's Triton cache (with the
 #                                        # autotuning results) into $OUT in <= 15 MiB pieces;
 #                                        # put them in .gpu-cache/ and carry it: a fresh host
@@ -124,6 +129,18 @@ host-loop)
         grep -v "Autotuning kernel" "/tmp/hd-host-$engine.log" | tail -40
     done
     ;;
+kernel-round)
+    shift
+    [ $# -gt 0 ] || set -- tests/kernels/test_moe.py
+    timeout "${HD_KERNEL_TESTS_S:-300}" python3 -m pytest -q -rs "$@" \
+        > "$OUT/kernel-tests.log" 2>&1
+    echo "kernel tests: exit $? (124: cut by HD_KERNEL_TESTS_S)"
+    tail -5 "$OUT/kernel-tests.log"
+    timeout "${HD_AB_S:-240}" python3 scripts/ab_router_cluster.py --out "$OUT/ab" \
+        --m "${HD_AB_M:-1,2,4,8,16}" > "$OUT/ab_router_cluster.log" 2>&1
+    echo "ab_router_cluster: exit $?"
+    grep -v '^{' "$OUT/ab_router_cluster.log" | tail -40
+    ;;
 save-caches)
     tar czf /tmp/hd-caches.tgz -C / "${TRITON#/}"
     split -b 15m -d /tmp/hd-caches.tgz "$OUT/caches.tgz."
@@ -152,7 +169,7 @@ upstream-gpu)
     done
     ;;
 *)
-    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|bench-context ROLE|host-loop|save-caches|upstream-gpu" >&2
+    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|bench-context ROLE|host-loop|kernel-round [TEST...]|save-caches|upstream-gpu" >&2
     exit 2
     ;;
 esac
