@@ -960,11 +960,11 @@ def test_new_kv_caches_drop_the_logits_of_earlier_captures(monkeypatch):
 )
 def test_clusters_only_without_an_mps_thread_limit(environ, allowed):
     """An MPS client limited to part of the GPU may not fit a cluster on one
-    GPC: the split GEMMs then take the global-memory reduction."""
+    GPC: the split GEMMs and the MoE router then go through global memory."""
     assert decode.clusters_allowed(environ) is allowed
 
 
-def test_kernel_factory_reads_the_mps_limit_once(monkeypatch):
+def test_kernel_factory_reads_the_mps_limit_when_built(monkeypatch):
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "25")
     assert decode.KernelFactory().clusters is False
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
