@@ -56,6 +56,79 @@ def stage(base: str, stage_dir: Path = STAGE_DIR) -> int:
     return 0
 
 
+# ----------------------------------------------- shared by the one-change A/B scripts
+# (ab_split_reduce.py, ab_router_cluster.py: two variants of one tree in one process)
+
+
+def bits_equal(a, b) -> bool:
+    """Whether two tensors hold the same bits (bf16 and FP32 compared as integers,
+    so NaNs and signed zeros count too)."""
+    import torch
+
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}.get(a.dtype)
+    if bits is not None:
+        a, b = a.view(bits), b.view(bits)
+    return bool(torch.equal(a, b))
+
+
+def ab_parser(doc: str, json_name: str, m_default: str) -> argparse.ArgumentParser:
+    """The script's parser (its docstring as help) with ``--out DIR`` and ``--m``."""
+    parser = argparse.ArgumentParser(
+        description=doc.split("\n")[0],
+        epilog=doc.split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help=f"writes DIR/{json_name}"
+    )
+    parser.add_argument("--m", default=m_default, help=f"token counts (default {m_default})")
+    return parser
+
+
+def parsed_subset(parser, text: str, choices, what: str) -> list[str]:
+    """``text``'s comma-separated names, each one of ``choices`` (else a usage error)."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in choices]
+    if unknown:
+        parser.error(f"unknown {what}(s) {unknown}; expected some of {list(choices)}")
+    return names
+
+
+def parsed_token_counts(parser, text: str) -> list[int]:
+    """``--m``'s token counts, each in the kernels' 1..16."""
+    m_values = [int(m) for m in text.split(",")]
+    if not all(1 <= m <= 16 for m in m_values):
+        parser.error(f"--m values must lie in 1..16, got {m_values}")
+    return m_values
+
+
+def sm90_missing() -> str | None:
+    """Why this host cannot run the A/B (None on an SM90 GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs an SM90 GPU (H200); CUDA is not available here"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"needs an SM90 GPU, found {torch.cuda.get_device_name()}"
+    return None
+
+
+def write_report(out_dir: Path, json_name: str, script: str, fields: dict, rows) -> None:
+    """DIR/json_name: ``fields`` with the GPU, date and command of this run, then ``rows``."""
+    import torch
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        **fields,
+        "gpu": torch.cuda.get_device_name(),
+        "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": f"python3 scripts/{script} " + " ".join(sys.argv[1:]),
+        "rows": rows,
+    }
+    (out_dir / json_name).write_text(json.dumps(report, indent=1) + "\n")
+
+
 def _agree(what: str, got, ref, limit: float) -> float:
     """Normwise relative difference of the new variant's output from the base's; refuses
     to time two variants that do not compute the same thing."""

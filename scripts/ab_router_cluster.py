@@ -35,8 +35,6 @@ kernels against our kernels: no stock sequence in this comparison.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
@@ -44,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+import ab_kernels  # noqa: E402
 
 PARTS = ("layer", "router", "seam")
 M_VALUES = "1,2,4,8,16"
@@ -70,15 +70,6 @@ def _twin(moe, router_cluster: bool):
     )  # fmt: skip
 
 
-def _bits_equal(a, b) -> bool:
-    import torch
-
-    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}.get(a.dtype)
-    if bits is not None:
-        a, b = a.view(bits), b.view(bits)
-    return bool(torch.equal(a, b))
-
-
 def _require_identical(what: str, pairs: dict) -> dict:
     """``pairs``: name -> (cluster tensor, ticket tensor); refuses to time on any
     difference (or an unwritten NaN output)."""
@@ -86,7 +77,7 @@ def _require_identical(what: str, pairs: dict) -> dict:
     for name, (got, want) in pairs.items():
         if got.is_floating_point() and got.isnan().any():
             raise SystemExit(f"{what}: cluster {name} has NaN (unwritten?); not timing")
-        row[f"{name}_bit_equal"] = _bits_equal(got, want)
+        row[f"{name}_bit_equal"] = ab_kernels.bits_equal(got, want)
         if not row[f"{name}_bit_equal"]:
             raise SystemExit(f"{what}: cluster and ticket {name} differ; not timing")
     return row
@@ -103,7 +94,6 @@ def _routing_pairs(variants: dict, m: int) -> dict:
 
 def _interleaved_row(timer, launch) -> dict:
     """Times ``launch(variant, layer)`` for both variants, ticket first."""
-    import ab_kernels
 
     timed = ab_kernels._interleaved(
         timer, lambda lay: launch("ticket", lay), lambda lay: launch("cluster", lay)
@@ -276,15 +266,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0],
-        epilog=__doc__.split("\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--out", type=Path, required=True, metavar="DIR", help=f"writes DIR/{JSON_NAME}"
-    )
-    parser.add_argument("--m", default=M_VALUES, help=f"token counts (default {M_VALUES})")
+    parser = ab_kernels.ab_parser(__doc__, JSON_NAME, M_VALUES)
     parser.add_argument(
         "--parts",
         default=",".join(PARTS),
@@ -294,42 +276,24 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=REPS, help="repetitions per graph")
     parser.add_argument("--replays", type=int, default=REPLAYS, help="timed graph replays")
     args = parser.parse_args()
-    parts = args.parts.split(",")
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown:
-        parser.error(f"unknown part(s) {unknown}; expected some of {list(PARTS)}")
-    m_values = [int(m) for m in args.m.split(",")]
-    if not all(1 <= m <= 16 for m in m_values):
-        parser.error(f"--m values must lie in 1..16, got {m_values}")
-
-    import torch
-
-    if not torch.cuda.is_available():
-        print("error: needs an SM90 GPU (H200); CUDA is not available here", file=sys.stderr)
-        return 2
-    if torch.cuda.get_device_capability() != (9, 0):
-        print(f"error: needs an SM90 GPU, found {torch.cuda.get_device_name()}", file=sys.stderr)
+    parts = ab_kernels.parsed_subset(parser, args.parts, PARTS, "part")
+    m_values = ab_kernels.parsed_token_counts(parser, args.m)
+    missing = ab_kernels.sm90_missing()
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
         return 2
     rows = run(m_values, parts, args.layers, args.reps, args.replays)
     print(table(rows))
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = {
-        "what": "MoE router's logits, µs per layer (layer, seam) or per router launch "
+    what = (
+        "MoE router's logits, µs per layer (layer, seam) or per router launch "
         "(router): cluster (16-CTA thread-block cluster, logits in CTA 0's shared memory, "
         "router_cluster=True) vs ticket (global logits + atomic ticket, "
         "router_cluster=False), bench_moe's CUDA-graph method over layers with distinct "
-        "weights, interleaved, median of 3 graphs each",
-        "gpu": torch.cuda.get_device_name(),
-        "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
-        **_max_active_clusters(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "python3 scripts/ab_router_cluster.py " + " ".join(sys.argv[1:]),
-        "layers": args.layers,
-        "reps": args.reps,
-        "replays": args.replays,
-        "rows": rows,
-    }
-    (args.out / JSON_NAME).write_text(json.dumps(report, indent=1) + "\n")
+        "weights, interleaved, median of 3 graphs each"
+    )
+    fields = {"what": what, **_max_active_clusters()}
+    fields |= {"layers": args.layers, "reps": args.reps, "replays": args.replays}
+    ab_kernels.write_report(args.out, JSON_NAME, "ab_router_cluster.py", fields, rows)
     return 0
 
 

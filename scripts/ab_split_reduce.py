@@ -27,8 +27,6 @@ kernel: no stock sequence in this comparison.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import math
 import sys
@@ -37,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+
+import ab_kernels  # noqa: E402
 
 # (bench_gemm shape, epilogue): every split launch of the decode step.
 CASES = {
@@ -125,19 +125,10 @@ class Case:
             prepared.run(bufs["x"], own["out"], bufs["residual"], own["residual_out"])
 
 
-def _bits_equal(a, b) -> bool:
-    import torch
-
-    bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
-    return bool(torch.equal(a.view(bits), b.view(bits)))
-
-
 def _compare(case: Case, bufs: dict, what: str) -> dict:
     """One launch of each variant on copy 0; refuses to time on a mismatch of what
     the split reduction alone determines."""
     import torch
-
-    import ab_kernels
 
     for name in case.variants:
         for t in bufs[name].values():
@@ -146,16 +137,16 @@ def _compare(case: Case, bufs: dict, what: str) -> dict:
     torch.cuda.synchronize()
     got, ref = bufs["cluster"], bufs["ticket"]
     exact = "out" if case.epilogue == "plain" else "residual_out"
-    row = {f"{exact}_bit_equal": _bits_equal(got[exact], ref[exact])}
+    row = {f"{exact}_bit_equal": ab_kernels.bits_equal(got[exact], ref[exact])}
     if got[exact].isnan().any() or not row[f"{exact}_bit_equal"]:
         raise SystemExit(f"{what}: cluster and ticket {exact} differ; not timing")
     if case.epilogue == "residual_sumsq":
-        row["sums_bit_equal"] = _bits_equal(got["sums"], ref["sums"])
+        row["sums_bit_equal"] = ab_kernels.bits_equal(got["sums"], ref["sums"])
         row["sums_rel_diff"] = ab_kernels._agree(
             what + " sums", got["sums"], ref["sums"], SUMS_REL_LIMIT
         )
     if case.epilogue == "residual_rmsnorm":
-        row["normed_bit_equal"] = _bits_equal(got["out"], ref["out"])
+        row["normed_bit_equal"] = ab_kernels.bits_equal(got["out"], ref["out"])
         row["normed_rel_diff"] = ab_kernels._agree(
             what + " normed", got["out"], ref["out"], NORMED_REL_LIMIT
         )
@@ -165,7 +156,6 @@ def _compare(case: Case, bufs: dict, what: str) -> dict:
 def run(case_names: list[str], m_values: list[int], use_pdl: bool, calls: int) -> list[dict]:
     import torch
 
-    import ab_kernels
     import bench_gemm as bg
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -231,15 +221,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0],
-        epilog=__doc__.split("\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--out", type=Path, required=True, metavar="DIR", help=f"writes DIR/{JSON_NAME}"
-    )
-    parser.add_argument("--m", default=M_VALUES, help=f"token counts (default {M_VALUES})")
+    parser = ab_kernels.ab_parser(__doc__, JSON_NAME, M_VALUES)
     parser.add_argument(
         "--cases",
         default=",".join(CASES),
@@ -250,38 +232,24 @@ def main() -> int:
         "--no-pdl", action="store_true", help="launch without programmatic dependent launch"
     )
     args = parser.parse_args()
-    case_names = args.cases.split(",")
-    unknown = [c for c in case_names if c not in CASES]
-    if unknown:
-        parser.error(f"unknown case(s) {unknown}; expected some of {list(CASES)}")
-    m_values = [int(m) for m in args.m.split(",")]
-    if not all(1 <= m <= 16 for m in m_values):
-        parser.error(f"--m values must lie in 1..16, got {m_values}")
-
-    import torch
-
-    if not torch.cuda.is_available():
-        print("error: needs an SM90 GPU (H200); CUDA is not available here", file=sys.stderr)
-        return 2
-    if torch.cuda.get_device_capability() != (9, 0):
-        print(f"error: needs an SM90 GPU, found {torch.cuda.get_device_name()}", file=sys.stderr)
+    case_names = ab_kernels.parsed_subset(parser, args.cases, CASES, "case")
+    m_values = ab_kernels.parsed_token_counts(parser, args.m)
+    missing = ab_kernels.sm90_missing()
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
         return 2
     rows = run(case_names, m_values, not args.no_pdl, args.calls)
     print(table(rows))
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = {
-        "what": "skinny GEMM split-K reduction, µs per launch: cluster (distributed "
+    what = (
+        "skinny GEMM split-K reduction, µs per launch: cluster (distributed "
         "shared memory, cluster_split_k=True) vs ticket (global partials + atomic "
         "ticket, cluster_split_k=False), chained launches in one CUDA graph over "
-        "weight copies spanning >= 2x L2, interleaved, median of 3 graphs each",
-        "use_pdl": not args.no_pdl,
-        "gpu": torch.cuda.get_device_name(),
-        "num_sms": torch.cuda.get_device_properties(0).multi_processor_count,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": "python3 scripts/ab_split_reduce.py " + " ".join(sys.argv[1:]),
-        "rows": rows,
-    }
-    (args.out / JSON_NAME).write_text(json.dumps(report, indent=1) + "\n")
+        "weight copies spanning >= 2x L2, interleaved, median of 3 graphs each"
+    )
+    ab_kernels.write_report(
+        args.out, JSON_NAME, "ab_split_reduce.py",
+        {"what": what, "use_pdl": not args.no_pdl}, rows,
+    )  # fmt: skip
     return 0
 
 

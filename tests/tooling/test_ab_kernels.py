@@ -1,9 +1,12 @@
 """scripts/ab_kernels.py stage: the base revision's kernels/ as an importable package."""
 
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "ab_kernels.py"
@@ -43,3 +46,27 @@ def test_unknown_revision_and_missing_stage_are_refused(tmp_path):
     assert done.returncode == 2 and "is not a commit" in done.stderr
     done = _run("moe", "--out", str(tmp_path / "out"), "--dir", str(tmp_path / "empty"))
     assert done.returncode == 2 and "run `stage --base REV` first" in done.stderr
+
+
+def _ab_kernels():
+    spec = importlib.util.spec_from_file_location("ab_kernels", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_one_change_ab_scripts_share_the_argument_checks():
+    """The cluster A/Bs' shared parser: --out and --m, token counts in 1..16, named
+    subsets; a bad value is a usage error (exit 2) before anything runs."""
+    ab = _ab_kernels()
+    doc = "A/B of one thing.\n\nMore words."
+    parser = ab.ab_parser(doc, "ab_x.json", "1,2")
+    args = parser.parse_args(["--out", "d"])
+    assert ab.parsed_token_counts(parser, args.m) == [1, 2]
+    assert ab.parsed_subset(parser, "a,b", ("a", "b", "c"), "part") == ["a", "b"]
+    for bad in (lambda: ab.parsed_token_counts(parser, "0,4"),
+                lambda: ab.parsed_token_counts(parser, "17"),
+                lambda: ab.parsed_subset(parser, "a,z", ("a", "b"), "part")):  # fmt: skip
+        with pytest.raises(SystemExit) as stop:
+            bad()
+        assert stop.value.code == 2
