@@ -168,6 +168,18 @@ def _check_routing(moe: PreparedMoe, x, gate, bias, m):
     return ref_ids, ref_weights
 
 
+def _check_fused_output(experts, x, ids, weights, residual, residual_out, out):
+    """residual_out and the normed output of a fused-RMSNorm MoE run against
+    the fp32 reference on the same x, routing and residual."""
+    w = experts
+    normed, hidden = moe_reference(
+        x, ids, weights, w["w13"], w["w2"], w["shared_gate_up"], w["shared_down"],
+        residual, w["gamma"], EPS,
+    )  # fmt: skip
+    _assert_close(residual_out, hidden, "residual_out")
+    _assert_close(out, normed, "normed output")
+
+
 def _run_and_check(experts, regime, m, seed, fused=False, router_cluster=True):
     x, gate, bias = _routing_case(regime, m, seed)
     moe = _prepare(experts, gate, bias, fused, router_cluster)
@@ -182,12 +194,7 @@ def _run_and_check(experts, regime, m, seed, fused=False, router_cluster=True):
     ids, weights = _check_routing(moe, x, gate, bias, m)
     w = experts
     if fused:
-        normed, hidden = moe_reference(
-            x, ids, weights, w["w13"], w["w2"], w["shared_gate_up"], w["shared_down"],
-            residual, w["gamma"], EPS,
-        )  # fmt: skip
-        _assert_close(residual_out, hidden, "residual_out")
-        _assert_close(out, normed, "normed output")
+        _check_fused_output(experts, x, ids, weights, residual, residual_out, out)
     else:
         ref = moe_reference(
             x, ids, weights, w["w13"], w["w2"], w["shared_gate_up"], w["shared_down"]
@@ -313,13 +320,7 @@ def test_router_normalises_the_residual_itself(experts, m, router_cluster):
     _assert_within_one_bf16_ulp(x, _normed_reference(residual, experts["input_gamma"]), "x")
     assert float(moe.input_sums.abs().sum()) == 0.0, "sums not re-armed"
     ids, weights = _check_routing(moe, x, gate, bias, m)
-    w = experts
-    normed, hidden = moe_reference(
-        x, ids, weights, w["w13"], w["w2"], w["shared_gate_up"], w["shared_down"],
-        residual, w["gamma"], EPS,
-    )  # fmt: skip
-    _assert_close(residual_out, hidden, "residual_out")
-    _assert_close(out, normed, "normed output")
+    _check_fused_output(experts, x, ids, weights, residual, residual_out, out)
 
 
 @pytest.mark.parametrize("m", [1, 4, 16])
