@@ -57,10 +57,11 @@ ROUTER_WARPS = 8
 ROUTER_MAX_STEPS = 12
 # The router's logits go through a thread-block cluster for these M-buckets
 # only: on the H200 (2026-12-02, scripts/ab_router_cluster.py, both paths
-# bit-identical) o_proj + MoE took 1.7-2.2 us less per layer at M = 1 and 2;
-# larger buckets keep the global logits and ticket until their GPU tests and
-# A/B have run.
-ROUTER_CLUSTER_MAX_BUCKET = 2
+# bit-identical) o_proj + MoE took 1.7-2.2 us less per layer at M = 1 and 2
+# and 1.0-1.5 us at M = 4 and 8; at M = 16 the MoE layer alone was 0.2-0.4 us
+# slower (its 214-register CTAs wait for room beside o_proj), so 16 keeps the
+# global logits and ticket.
+ROUTER_CLUSTER_MAX_BUCKET = 8
 # Elements of a placeholder buffer the kernels never dereference (a valid
 # 16-byte aligned pointer for an argument the compiled variant ignores).
 PLACEHOLDER_ELEMS = 4
