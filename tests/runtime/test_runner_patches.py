@@ -8,6 +8,9 @@
 - v1-runner-take-a-step-s-logits-from-the-model-when-i: for steps whose requests have one
   token each GPUModelRunner asks the model for the logits its graph computed; any other step,
   and models without the hook, get compute_logits.
+- v1-runner-copy-a-step-s-positions-and-sequence-lengt: without async speculative decoding
+  the step's positions and sequence lengths are the host's values, copied; with it they are
+  still derived from the GPU's num_computed_tokens.
 
 The "GPU" side of a BlockTable is a second CPU tensor here (device "cpu"), so a copy is seen
 as the GPU rows becoming the CPU rows.
@@ -186,3 +189,99 @@ def test_a_model_without_the_logits_hook_computes_them() -> None:
         runner_with(object()), step, CUDAGraphMode.FULL, None, 2
     )
     assert got is None
+
+
+# ------------------------------------------------- positions and sequence lengths
+MAX_REQS, MAX_TOKENS = 6, 32
+
+
+def input_runner(async_spec_decode: bool, computed: list[int], scheduled: list[int]) -> Any:
+    """The runner state _prepare_positions_and_seq_lens reads, as _prepare_inputs leaves it
+    (its "GPU" tensors on the CPU, poisoned so that an unwritten entry shows)."""
+    from vllm.v1.utils import CpuGpuBuffer
+
+    def buffer(n: int) -> Any:
+        buf = CpuGpuBuffer(n, dtype=torch.int64, device=torch.device("cpu"), pin_memory=False)
+        buf.gpu.fill_(SENTINEL)
+        return buf
+
+    num_reqs = len(computed)
+    runner = SimpleNamespace(
+        use_async_spec_decode=async_spec_decode,
+        req_indices=buffer(MAX_TOKENS),
+        query_pos=buffer(MAX_TOKENS),
+        num_scheduled_tokens=CpuGpuBuffer(
+            MAX_REQS, dtype=torch.int32, device=torch.device("cpu"), pin_memory=False
+        ),
+        positions=torch.full((MAX_TOKENS,), SENTINEL, dtype=torch.int64),
+        positions_cpu=torch.zeros(MAX_TOKENS, dtype=torch.int64),
+        seq_lens=torch.full((MAX_REQS,), SENTINEL, dtype=torch.int32),
+        optimistic_seq_lens_cpu=torch.zeros(MAX_REQS, dtype=torch.int32),
+        num_computed_tokens=torch.zeros(MAX_REQS, dtype=torch.int32),
+    )
+    runner.num_computed_tokens[:num_reqs] = torch.tensor(computed, dtype=torch.int32)
+    runner.optimistic_seq_lens_cpu[:num_reqs] = torch.tensor(
+        [c + s for c, s in zip(computed, scheduled)], dtype=torch.int32
+    )
+    offset = 0
+    for n in scheduled:  # what _get_cumsum_and_arange writes
+        runner.query_pos.np[offset : offset + n] = range(n)
+        offset += n
+    return runner
+
+
+def prepare_positions(runner: Any, computed: list[int], scheduled: list[int]) -> None:
+    import numpy as np
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    scheduled_np = np.array(scheduled, dtype=np.int32)
+    req_indices = np.repeat(np.arange(len(scheduled)), scheduled_np)
+    total = int(scheduled_np.sum())
+    positions_np = np.array(computed)[req_indices] + runner.query_pos.np[:total]
+    GPUModelRunner._prepare_positions_and_seq_lens(
+        runner, len(scheduled), total, scheduled_np, req_indices, positions_np
+    )
+
+
+STEPS = {
+    "decode": ([7, 0, 130], [1, 1, 1]),
+    "mixed": ([5, 0, 64, 9], [1, 4, 1, 3]),
+    "prefill": ([0], [17]),
+}
+
+
+@pytest.mark.parametrize("async_spec_decode", [False, True], ids=["host", "gpu"])
+@pytest.mark.parametrize("step", list(STEPS), ids=list(STEPS))
+def test_both_paths_write_every_position_and_sequence_length(
+    step: str, async_spec_decode: bool
+) -> None:
+    computed, scheduled = STEPS[step]
+    runner = input_runner(async_spec_decode, computed, scheduled)
+    prepare_positions(runner, computed, scheduled)
+    want_positions = [c + i for c, n in zip(computed, scheduled) for i in range(n)]
+    total = len(want_positions)
+    assert runner.positions[:total].tolist() == want_positions
+    assert (runner.positions[total:] == SENTINEL).all()  # past the step: untouched
+    want_lens = [c + n for c, n in zip(computed, scheduled)]
+    assert runner.seq_lens.tolist() == want_lens + [0] * (MAX_REQS - len(computed))
+
+
+def test_with_async_drafts_the_gpus_computed_tokens_decide() -> None:
+    # The async-draft kernel corrected the GPU's count (a rejected draft token): positions
+    # and lengths follow it, not the host's optimistic values.
+    computed, scheduled = [10, 4], [1, 1]
+    runner = input_runner(True, computed, scheduled)
+    runner.num_computed_tokens[0] = 8
+    prepare_positions(runner, computed, scheduled)
+    assert runner.positions[:2].tolist() == [8, 4]
+    assert runner.seq_lens[:2].tolist() == [9, 5]
+
+
+def test_without_async_drafts_no_index_is_copied_to_the_gpu() -> None:
+    computed, scheduled = [3, 8], [1, 1]
+    runner = input_runner(False, computed, scheduled)
+    prepare_positions(runner, computed, scheduled)
+    assert (runner.req_indices.gpu == SENTINEL).all()
+    assert (runner.query_pos.gpu == SENTINEL).all()
+    assert runner.req_indices.np[:2].tolist() == [0, 1]  # the host's copy is kept
