@@ -19,6 +19,11 @@ once at full HBM bandwidth:
   staging or swizzling is needed.
 * A warp owns one 16-row tile (any two 8-row groups: ``row_lo`` and
   ``row_hi``) and a contiguous range of K "steps" of 32 K-values (4 lanes x 8).
+* Optionally (``weight_l2_policy``) the weight loads carry an L2 cache policy
+  (``ld.global.L2::cache_hint``, still 16 bytes): ``evict_first`` keeps a
+  streamed-once weight from displacing lines another kernel wants to find in
+  L2 later (a prefetched weight of the next layer); the activation loads never
+  carry one (they are re-read by every tile).
 
 Accumulator layout per 8-token half ``h`` (the MMA's C fragment): value ``v``
 of lane (quad row ``g``, quad lane ``t``) is row ``g`` (v < 2) or ``g + 8``
@@ -27,7 +32,9 @@ of lane (quad row ``g``, quad lane ``t``) is row ``g`` (v < 2) or ``g + 8``
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int64
+
+from .l2_policy import l2_policy_value
 
 # One mma.sync.m16n8k16 covers 16 weight rows (its M) and 8 tokens (its N).
 ROWS_PER_TILE = 16
@@ -42,6 +49,8 @@ STEP_K = CHUNK * LANES_PER_QUAD
 WARP_THREADS = 32
 # Largest token count: two n8 MMAs per weight fragment.
 MAX_TOKENS = 2 * TOKENS_PER_MMA
+# Bits of one weight load (a CHUNK of bf16): the cache-hinted loads keep it.
+CHUNK_BITS = CHUNK * 16
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -63,9 +72,20 @@ class WarpRowTileMma:
     32-wide K steps the warp covers, ``unroll`` how many steps of loads are
     issued before their MMAs, ``halves`` the 8-token MMA columns (1 or 2).
     ``k_ragged`` guards chunks past ``k`` (when the warps' ranges overhang it).
+    ``weight_l2_policy`` (``None``, ``"evict_first"``, ``"evict_last"``): the
+    L2 cache policy of the weight loads; ``None`` emits the plain loads (the
+    same code as without the option).
     """
 
-    def __init__(self, k: int, steps: int, unroll: int, halves: int, k_ragged: bool):
+    def __init__(
+        self,
+        k: int,
+        steps: int,
+        unroll: int,
+        halves: int,
+        k_ragged: bool,
+        weight_l2_policy: str | None = None,
+    ):
         if k % CHUNK:
             raise ValueError(f"K={k} must be a multiple of {CHUNK} (16-byte rows)")
         if halves not in (1, 2):
@@ -75,6 +95,17 @@ class WarpRowTileMma:
         self.unroll = max(1, min(unroll, steps))
         self.halves = halves
         self.k_ragged = k_ragged
+        self.weight_l2_policy = weight_l2_policy
+        self.weight_policy_value = l2_policy_value(weight_l2_policy)
+
+    @cute.jit
+    def _load_weight(self, src: cute.Tensor, dst: cute.Tensor, atom, policy):
+        """One 16-byte weight chunk: a plain vector load, or one carrying the
+        configured L2 policy."""
+        if cutlass.const_expr(atom is None):
+            cute.autovec_copy(src, dst)
+        else:
+            cute.copy(atom, src, dst, cache_policy=policy)
 
     @cute.jit
     def accumulate(
@@ -109,6 +140,14 @@ class WarpRowTileMma:
         )
         frag_a = cute.make_rmem_tensor((8, 1, 1), BFloat16)
         frag_b = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        w_atom, w_policy = None, None
+        if cutlass.const_expr(self.weight_policy_value is not None):
+            # A G2R atom takes the policy operand at copy time; 128 bits keeps
+            # the loads as wide as the plain path's.
+            w_atom = cute.make_copy_atom(
+                cute.nvgpu.CopyG2ROp(), BFloat16, num_bits_per_copy=CHUNK_BITS
+            )
+            w_policy = Int64(self.weight_policy_value)
         unroll = self.unroll
         for batch_start in cutlass.range_constexpr(0, self.steps, unroll):
             batch = min(unroll, self.steps - batch_start)
@@ -123,14 +162,22 @@ class WarpRowTileMma:
                 chunk = (first_step + batch_start + j) * LANES_PER_QUAD + quad_lane
                 if cutlass.const_expr(self.k_ragged):
                     if chunk < k_chunks:
-                        cute.autovec_copy(w_chunks[row_lo, chunk, None], w_lo[j])
-                        cute.autovec_copy(w_chunks[row_hi, chunk, None], w_hi[j])
+                        self._load_weight(
+                            w_chunks[row_lo, chunk, None], w_lo[j], w_atom, w_policy
+                        )
+                        self._load_weight(
+                            w_chunks[row_hi, chunk, None], w_hi[j], w_atom, w_policy
+                        )
                     else:
                         w_lo[j].fill(0.0)
                         w_hi[j].fill(0.0)
                 else:
-                    cute.autovec_copy(w_chunks[row_lo, chunk, None], w_lo[j])
-                    cute.autovec_copy(w_chunks[row_hi, chunk, None], w_hi[j])
+                    self._load_weight(
+                        w_chunks[row_lo, chunk, None], w_lo[j], w_atom, w_policy
+                    )
+                    self._load_weight(
+                        w_chunks[row_hi, chunk, None], w_hi[j], w_atom, w_policy
+                    )
             if cutlass.const_expr(wait_after_first_loads and batch_start == 0):
                 cute.arch.griddepcontrol_wait()
             if cutlass.const_expr(after_wait is not None and batch_start == 0):

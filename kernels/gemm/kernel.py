@@ -155,6 +155,8 @@ class SkinnyGemmKernel:
     ``cluster_split_k`` reduces a split through a thread-block cluster when
     2 <= split_k <= MAX_CLUSTER_SPLIT_K (else, or with False, through the
     global workspace and an atomic ticket per tile).
+    ``weight_l2_policy`` (None, "evict_first", "evict_last"): the L2 cache
+    policy of W's loads (``WarpRowTileMma``); None emits the plain loads.
     """
 
     def __init__(
@@ -173,6 +175,7 @@ class SkinnyGemmKernel:
         norm_by_every_tile: bool = False,
         barrier_max_polls: int = BARRIER_MAX_POLLS,
         cluster_split_k: bool = True,
+        weight_l2_policy: str | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -197,7 +200,9 @@ class SkinnyGemmKernel:
             )
         # K predicates are needed only when the slices overhang the real K.
         k_ragged = self.steps_per_warp * k_slices * STEP_K != k
-        self.mma = WarpRowTileMma(k, self.steps_per_warp, unroll, self.halves, k_ragged)
+        self.mma = WarpRowTileMma(
+            k, self.steps_per_warp, unroll, self.halves, k_ragged, weight_l2_policy
+        )
         self.n_ragged = n % ROWS_PER_TILE != 0
         self.threads = warps_k * WARP_THREADS
         self.values_per_lane = 4 * self.halves

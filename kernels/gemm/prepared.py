@@ -25,6 +25,7 @@ import cutlass.cute as cute
 import torch
 
 from ..common.host import gmem_ptr
+from ..common.l2_policy import l2_policy_value
 from .kernel import (
     BARRIER_MAX_POLLS,
     CHUNK,
@@ -217,6 +218,10 @@ class PreparedGemm:
     cluster_split_k: reduce a grid split-K (2..8 CTAs per tile) through a
     thread-block cluster's distributed shared memory (default); False keeps
     the global workspace and per-tile atomic tickets (A/B, larger splits).
+
+    weight_l2_policy: None (default, plain loads), ``"evict_first"`` or
+    ``"evict_last"``: the L2 cache policy of the weight's loads (probes of
+    what a streamed-once weight displaces from L2).
     """
 
     def __init__(
@@ -229,11 +234,13 @@ class PreparedGemm:
         use_pdl: bool = True,
         barrier_max_polls: int = BARRIER_MAX_POLLS,
         cluster_split_k: bool = True,
+        weight_l2_policy: str | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
                 f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}"
             )
+        l2_policy_value(weight_l2_policy)  # raises on an unknown name
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError("weight must be a 2-D [N, K] torch.Tensor")
         if not weight.is_cuda:
@@ -248,6 +255,7 @@ class PreparedGemm:
         self.epilogue, self.k, self.eps = epilogue, k, eps
         self.use_pdl = use_pdl
         self.cluster_split_k = cluster_split_k
+        self.weight_l2_policy = weight_l2_policy
         # Tests pass 0 to take the RMSNorm barrier's time-out path.
         self.barrier_max_polls = barrier_max_polls
         # Bytes this binding holds beyond the caller's weight: the packed copy
@@ -342,6 +350,7 @@ class PreparedGemm:
             self.n_packed, self.k, self.out_features, bucket, self.epilogue, c,
             self.eps, self.use_pdl, barrier, self.barrier_max_polls,
             uses_cluster_split_k(c.split_k, self.cluster_split_k),
+            self.weight_l2_policy,
         )  # fmt: skip
 
     def compile(self, buckets=(TOKENS_PER_MMA, MAX_TOKENS)) -> dict[int, float]:
@@ -365,6 +374,7 @@ class PreparedGemm:
                 norm_by_every_tile=barrier,
                 barrier_max_polls=self.barrier_max_polls,
                 cluster_split_k=self.cluster_split_k,
+                weight_l2_policy=self.weight_l2_policy,
             )  # fmt: skip
             bf16 = _ptr(self.weight, cutlass.BFloat16)
             w, g, p, cnt, sq = self._static_ptrs

@@ -818,6 +818,9 @@ class MoeExpertKernel:
     ``down``: ``h [rows, I]`` bf16 -> ``y [rows, H]`` FP32.
     ``w_ptr`` is the routed experts' weight (``[E, 2I, H]`` / ``[E, H, I]``),
     ``shared_w_ptr`` the shared expert's, of the same per-expert shape.
+    ``weight_l2_policy`` (None, "evict_first", "evict_last"): the L2 cache
+    policy of the expert weights' loads, shared expert included
+    (``WarpRowTileMma``); None emits the plain loads.
     """
 
     def __init__(
@@ -831,6 +834,7 @@ class MoeExpertKernel:
         slot_lanes: int,
         warps: int,
         use_pdl: bool = True,
+        weight_l2_policy: str | None = None,
     ):
         if stage not in (STAGE_GATE_UP, STAGE_DOWN):
             raise ValueError(f"unknown stage {stage!r}")
@@ -858,7 +862,9 @@ class MoeExpertKernel:
         k_ragged = steps * warps * STEP_K != self.k
         # One main loop per MMA width (the 16-token bucket uses both).
         self.mmas = {
-            h: WarpRowTileMma(self.k, steps, UNROLL_BY_HALVES[h], h, k_ragged)
+            h: WarpRowTileMma(
+                self.k, steps, UNROLL_BY_HALVES[h], h, k_ragged, weight_l2_policy
+            )
             for h in range(1, self.halves + 1)
         }
         self.threads = warps * WARP_THREADS

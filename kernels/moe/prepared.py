@@ -25,6 +25,7 @@ import cutlass.cute as cute
 import torch
 
 from ..common.host import current_stream, gmem_ptr
+from ..common.l2_policy import l2_policy_value
 from ..common.skinny_mma import CHUNK, LANES_PER_QUAD, MAX_TOKENS, ceil_div
 from .kernel import (
     STAGE_DOWN,
@@ -165,6 +166,11 @@ class PreparedMoe:
     ``router_cluster_for(m)`` says which one a run of ``m`` tokens takes;
     ``self.logits`` (FP32 [16 * E]) holds the bf16-rounded logits of the last
     run that took the ticket path (the cluster path does not write them).
+
+    ``expert_weight_l2_policy``: None (default, plain loads), ``"evict_first"``
+    or ``"evict_last"``: the L2 cache policy of the gate_up and down launches'
+    expert weight loads (routed and shared); the router's loads keep none.
+    Probes of what the ~128 MB of experts a layer streams displace from L2.
     """
 
     def __init__(
@@ -186,7 +192,10 @@ class PreparedMoe:
         input_eps: float = 1e-5,
         router_cluster: bool = True,
         router_cluster_max_bucket: int = ROUTER_CLUSTER_MAX_BUCKET,
+        expert_weight_l2_policy: str | None = None,
     ):
+        l2_policy_value(expert_weight_l2_policy)  # raises on an unknown name
+        self.expert_weight_l2_policy = expert_weight_l2_policy
         if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
             raise ValueError("w13 must be a 3-D [E, 2*I, H] torch.Tensor")
         if not w13.is_cuda:
@@ -312,11 +321,11 @@ class PreparedMoe:
             ),
             MoeExpertKernel(
                 STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
-                lanes, warps, self.use_pdl,
+                lanes, warps, self.use_pdl, self.expert_weight_l2_policy,
             ),
             MoeExpertKernel(
                 STAGE_DOWN, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
-                lanes, warps, self.use_pdl,
+                lanes, warps, self.use_pdl, self.expert_weight_l2_policy,
             ),
             MoeCombineKernel(
                 s.hidden, s.num_experts, s.top_k, bucket, fused, self.eps,
@@ -329,7 +338,7 @@ class PreparedMoe:
             self.shape, bucket, self.split_k, self.scale, self.renormalize,
             self.gamma is not None, self.eps, self.use_pdl, self.config,
             self.input_gamma is not None, self.input_eps,
-            self._router_cluster_bucket(bucket),
+            self._router_cluster_bucket(bucket), self.expert_weight_l2_policy,
         )  # fmt: skip
 
     def compile(self, buckets=M_BUCKETS) -> dict[int, float]:
