@@ -970,3 +970,26 @@ def test_kernel_factory_reads_the_mps_limit_when_built(monkeypatch):
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
     assert decode.KernelFactory().clusters is True
     assert decode.KernelFactory(clusters=False).clusters is False
+
+
+@pytest.mark.parametrize(
+    ("environ", "policy"),
+    [
+        ({}, None),
+        ({"VLLM_HD_EXPERT_L2_POLICY": ""}, None),
+        ({"VLLM_HD_EXPERT_L2_POLICY": "evict_first"}, "evict_first"),
+        ({"VLLM_HD_EXPERT_L2_POLICY": "evict_last"}, "evict_last"),
+    ],
+)
+def test_the_expert_l2_policy_switch(environ, policy):
+    """The engine A/B switch of the experts' weight L2 policy; unset = none."""
+    assert decode.expert_l2_policy_from_env(environ) == policy
+
+
+def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("VLLM_HD_EXPERT_L2_POLICY", "evict_normal")
+    with pytest.raises(ValueError, match="VLLM_HD_EXPERT_L2_POLICY='evict_normal'"):
+        decode.KernelFactory()
+    monkeypatch.delenv("VLLM_HD_EXPERT_L2_POLICY")
+    assert decode.KernelFactory().expert_l2_policy is None
+    assert decode.KernelFactory(expert_l2_policy="evict_first").expert_l2_policy == ("evict_first")

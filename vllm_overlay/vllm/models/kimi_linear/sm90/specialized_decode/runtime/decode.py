@@ -101,6 +101,27 @@ def clusters_allowed(environ: dict[str, str] | None = None) -> bool:
         return False
 
 
+# An experiment switch for an A/B inside the engine (gemm_notes.md, last
+# section): the L2 cache policy of the MoE experts' weight loads; unset or empty
+# = none (the default kernels).
+EXPERT_L2_POLICY_ENV = "VLLM_HD_EXPERT_L2_POLICY"
+EXPERT_L2_POLICIES = ("evict_first", "evict_last")
+
+
+def expert_l2_policy_from_env(environ: dict[str, str] | None = None) -> str | None:
+    """The experts' weight L2 policy ``EXPERT_L2_POLICY_ENV`` asks for (None if
+    unset or empty); raises, naming the variable, on any other value."""
+    value = (os.environ if environ is None else environ).get(EXPERT_L2_POLICY_ENV)
+    if not value:
+        return None
+    if value not in EXPERT_L2_POLICIES:
+        raise ValueError(
+            f"{EXPERT_L2_POLICY_ENV}={value!r}: expected one of "
+            f"{', '.join(EXPERT_L2_POLICIES)} (or unset)"
+        )
+    return value
+
+
 # --------------------------------------------------------------------- kernels
 class KernelFactory:
     """Builds the prepared kernels and the stock ops a step uses.
@@ -109,11 +130,22 @@ class KernelFactory:
     ops; CPU tests pass a factory of fakes with the same signatures.
     ``clusters``: whether split GEMMs reduce K and the MoE router gathers its
     logits through thread-block clusters (default: unless an MPS active-thread
-    limit is set, ``clusters_allowed``).
+    limit is set, ``clusters_allowed``). ``expert_l2_policy``: the MoE experts'
+    weight L2 policy (default: ``EXPERT_L2_POLICY_ENV``, unset = none).
     """
 
-    def __init__(self, clusters: bool | None = None) -> None:
+    def __init__(
+        self, clusters: bool | None = None, expert_l2_policy: str | None = None
+    ) -> None:
         self.clusters = clusters_allowed() if clusters is None else clusters
+        self.expert_l2_policy = expert_l2_policy or expert_l2_policy_from_env()
+        if self.expert_l2_policy:
+            logger.info(
+                "Kimi-Linear specialized decode: the MoE experts' weight loads "
+                "carry the L2 policy %s (%s)",
+                self.expert_l2_policy,
+                EXPERT_L2_POLICY_ENV,
+            )
         if not self.clusters:
             logger.info(
                 "Kimi-Linear specialized decode: %s=%s, so the split GEMMs and the "
@@ -179,7 +211,11 @@ class KernelFactory:
     def moe(self, **kwargs: Any) -> Any:
         from ..cutedsl.moe.prepared import PreparedMoe
 
-        return PreparedMoe(**kwargs, router_cluster=self.clusters)
+        return PreparedMoe(
+            **kwargs,
+            router_cluster=self.clusters,
+            expert_weight_l2_policy=self.expert_l2_policy,
+        )
 
     def mla_cache_row(
         self, norm_weight: torch.Tensor, eps: float, kv_cache: torch.Tensor, rope: int
