@@ -216,6 +216,7 @@ def input_runner(async_spec_decode: bool, computed: list[int], scheduled: list[i
         positions=torch.full((MAX_TOKENS,), SENTINEL, dtype=torch.int64),
         positions_cpu=torch.zeros(MAX_TOKENS, dtype=torch.int64),
         seq_lens=torch.full((MAX_REQS,), SENTINEL, dtype=torch.int32),
+        seq_lens_cpu=torch.zeros(MAX_REQS, dtype=torch.int32),
         optimistic_seq_lens_cpu=torch.zeros(MAX_REQS, dtype=torch.int32),
         num_computed_tokens=torch.zeros(MAX_REQS, dtype=torch.int32),
     )
