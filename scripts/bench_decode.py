@@ -821,7 +821,11 @@ def run_roles(
     return got
 
 
-def host_facts(command: str) -> dict[str, str]:
+# Environment variables of the patch set's experiment switches.
+SWITCH_PREFIX = "VLLM_HD_"
+
+
+def host_facts(command: str) -> dict[str, object]:
     """Where and with what a role ran: the report is assembled from these, on any host."""
     import torch
 
@@ -834,6 +838,9 @@ def host_facts(command: str) -> dict[str, str]:
         "fingerprint": build.FINGERPRINT,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": command,
+        # The patch set's experiment switches (e.g. VLLM_HD_EXPERT_L2_POLICY) the
+        # engine inherited: a result with one set is another build's.
+        "switches": {k: v for k, v in os.environ.items() if k.startswith(SWITCH_PREFIX)},
     }
 
 
@@ -974,6 +981,11 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         values = {host[key] for host in hosts.values()}
         if len(values) != 1:
             raise ValueError(f"the roles ran with different {key}: {sorted(values)}")
+    switches = {json.dumps(host.get("switches", {}), sort_keys=True) for host in hosts.values()}
+    if len(switches) != 1:
+        raise ValueError(
+            f"the roles ran with different {SWITCH_PREFIX}* switches: {sorted(switches)}"
+        )
     results = {b: {k: v for k, v in got[b].items() if k != "host"} for b in BACKENDS}
     experts = {int(k): v for k, v in got["experts"]["distinct"].items()}
     runs = results[BACKENDS[0]]["runs"]
@@ -999,6 +1011,7 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         ),
         "model_dir": model_dir,
         "fingerprint": first["fingerprint"],
+        "switches": first.get("switches", {}),
         "vllm": first["vllm"],
         "gpu": first["gpu"],
         "date": max(host["date"] for host in hosts.values()),

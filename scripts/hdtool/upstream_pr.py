@@ -36,7 +36,8 @@ decode.json keys read here: "fingerprint", "vllm", "gpu", "date", "command" (req
 values of step_ms may be numbers or objects of numbers, e.g. {"stock": .., "specialized": ..})
 and "prefill_throughput_ratio" (required); any other object of summary keyed by N becomes one
 more table column; optional "model", "method" (text) and "correctness" (an object: "command",
-"result", "gpu", "date" strings and "checks", a list of strings).
+"result", "gpu", "date" strings and "checks", a list of strings); "switches" (the VLLM_HD_*
+experiment switches the benchmark ran with) must be empty or absent.
 """
 
 from __future__ import annotations
@@ -203,6 +204,11 @@ def load_perf(pin: Pin, current_fingerprint: str) -> PerfReport:
             f"fingerprint {recorded[:16]}..., but patches/, vllm_overlay/ and kernels/ now give "
             f"{current_fingerprint[:16]}.... Re-run {bench}, commit the new {PERF_REPORT}, "
             "then run `make upstream-pr` again."
+        )
+    if data.get("switches"):
+        raise HdError(
+            f"{where} was measured with experiment switches set ({data['switches']}), so it "
+            f"is not the default build's number; re-run {bench} without them"
         )
     for key in ("vllm", "gpu", "date", "command"):
         if not isinstance(data.get(key), str) or not data[key].strip():

@@ -447,3 +447,16 @@ def test_stream_batch_starts_n_requests_and_keeps_each_ones_chunks():
         ("t-0", bench._prompt(0, 4)["prompt_token_ids"], 3),
         ("t-1", bench._prompt(1, 4)["prompt_token_ids"], 3),
     ]
+
+
+def test_assemble_records_the_experiment_switches_and_refuses_mixed_ones():
+    got = _role_results()
+    for role in got:
+        got[role]["host"]["switches"] = {"VLLM_HD_EXPERT_L2_POLICY": "evict_first"}
+    assert bench.assemble(CONFIG, got, "m")["switches"] == {
+        "VLLM_HD_EXPERT_L2_POLICY": "evict_first"
+    }
+    got["auto"]["host"]["switches"] = {}
+    with pytest.raises(ValueError, match="different VLLM_HD_\\* switches"):
+        bench.assemble(CONFIG, got, "m")
+    assert bench.assemble(CONFIG, _role_results(), "m")["switches"] == {}  # none recorded

@@ -565,6 +565,10 @@ def test_stale_perf_report_fails(project: Project):
             "was measured with vllm 0.1.0+hd.6, but the pin builds 0.1.0+hd.7",
         ),
         ({"gpu": ""}, '"gpu" must be a non-empty string'),
+        (
+            {"switches": {"VLLM_HD_EXPERT_L2_POLICY": "evict_first"}},
+            "measured with experiment switches set",
+        ),
         ({"summary": {"speedup": {}}}, "prefill_throughput_ratio must be a number"),
     ],
 )
