@@ -21,9 +21,9 @@ once at full HBM bandwidth:
   ``row_hi``) and a contiguous range of K "steps" of 32 K-values (4 lanes x 8).
 * Optionally (``weight_l2_policy``) the weight loads carry an L2 cache policy
   (``ld.global.L2::cache_hint``, still 16 bytes): ``evict_first`` keeps a
-  streamed-once weight from displacing lines another kernel wants to find in
-  L2 later (a prefetched weight of the next layer); the activation loads never
-  carry one (they are re-read by every tile).
+  streamed-once weight from displacing lines other kernels re-read from L2
+  (docs/perf/gemm_notes.md, last section, has what it measured); the
+  activation loads never carry one (they are re-read by every tile).
 
 Accumulator layout per 8-token half ``h`` (the MMA's C fragment): value ``v``
 of lane (quad row ``g``, quad lane ``t``) is row ``g`` (v < 2) or ``g + 8``

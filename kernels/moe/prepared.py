@@ -170,7 +170,7 @@ class PreparedMoe:
     ``expert_weight_l2_policy``: None (default, plain loads), ``"evict_first"``
     or ``"evict_last"``: the L2 cache policy of the gate_up and down launches'
     expert weight loads (routed and shared); the router's loads keep none.
-    Probes of what the ~128 MB of experts a layer streams displace from L2.
+    For A/Bs of what a layer's streamed-once expert weights displace from L2.
     """
 
     def __init__(
