@@ -389,6 +389,47 @@ def test_cluster_split_k_is_bit_identical_to_the_ticket_path(name, epilogue):
         assert int(tickets.abs().sum()) == 0
 
 
+# One shape per launch kind: split K at every M (kv_a), the stacked gate_up with
+# silu_mul, the widest in_proj, and o_proj's residual + RMSNorm epilogue.
+L2_POLICY_CASES = [
+    ("mla_kv_a_proj", "plain"),
+    ("shared_gate_up", "silu_mul"),
+    ("kda_in_qkv_b_fa_ga", "plain"),
+    ("kda_o_proj", "residual_rmsnorm"),
+]
+
+
+@pytest.mark.parametrize("policy", ["evict_first", "evict_last"])
+@pytest.mark.parametrize("name,epilogue", L2_POLICY_CASES)
+def test_weight_l2_policy_is_bit_identical(name, epilogue, policy):
+    """An L2 cache policy on the weight loads changes what stays in L2, not a
+    loaded value: the outputs the weights alone determine (out of plain and
+    silu_mul, residual_out of the RMSNorm epilogue, whose normed out also adds
+    squares with float atomics in arrival order) match the plain loads bit for
+    bit at every M-bucket; the normed out is checked against the reference."""
+    w = _weight(name)
+    n, k = w.shape
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"l2/{name}/{policy}".encode()))
+    gamma = _gamma(n, gen) if epilogue == "residual_rmsnorm" else None
+    plain, hinted = (
+        PreparedGemm(w, epilogue, rmsnorm_weight=gamma, eps=EPS, weight_l2_policy=p)
+        for p in (None, policy)
+    )
+    for m in SPLIT_MS:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+        want = _run_epilogue(plain, epilogue, x, residual)
+        got = _run_epilogue(hinted, epilogue, x, residual)
+        torch.cuda.synchronize()
+        what = f"{name} {epilogue} {policy} M={m}"
+        if epilogue == "residual_rmsnorm":
+            _bits_equal(got[1], want[1], what + " residual_out")
+            ref, _ = _reference(epilogue, x, w, residual, gamma)
+            _close(got[0], ref, what + " out")
+        else:
+            _bits_equal(got[0], want[0], what + " out")
+
+
 def test_pack_gate_up_layout():
     inter, k = 20, 16  # I not a multiple of 8: padded with zero rows
     w = torch.arange(2 * inter * k, dtype=torch.float32).reshape(2 * inter, k)

@@ -438,6 +438,39 @@ def test_router_paths_are_bit_identical(experts, m, regime, input_norm):
             _bits_equal(cluster[what], ticket[what], f"{regime} M={m} {what}")
 
 
+@pytest.mark.parametrize("policy", ["evict_first", "evict_last"])
+@pytest.mark.parametrize("regime", ["dummy", "balanced"])
+def test_expert_weight_l2_policy_is_bit_identical(experts, regime, policy):
+    """An L2 cache policy on the expert weight loads (the executor's
+    VLLM_HD_EXPERT_L2_POLICY) changes what stays in L2, not a loaded value: the
+    same table, route weights and output bit for bit as the plain loads, at
+    every M-bucket and with the fused residual + RMSNorm epilogue."""
+    for m in M_BUCKETS:
+        seed = 1500 + 10 * m + (regime == "balanced")
+        x, gate, bias = _routing_case(regime, m, seed)
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        residual = torch.randn(m, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+        results = {}
+        for l2_policy in (None, policy):
+            moe = PreparedMoe(
+                gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+                experts["shared_down"], TOP_K, SCALE, rmsnorm_weight=experts["gamma"],
+                eps=EPS, expert_weight_l2_policy=l2_policy,
+            )  # fmt: skip
+            out = torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+            residual_out = torch.full_like(out, float("nan"))
+            moe.run(x, out, residual, residual_out)
+            torch.cuda.synchronize()
+            results[l2_policy] = {
+                "table": moe.table.clone(),
+                "route_weights": moe.route_weights[: m * TOP_K].clone(),
+                "out": out,
+                "residual_out": residual_out,
+            }
+        for what, want in results[None].items():
+            _bits_equal(results[policy][what], want, f"{regime} {policy} M={m} {what}")
+
+
 def test_input_norm_bad_arguments(experts):
     _, gate, bias = _routing_case("random", 1, seed=1)
     with pytest.raises(ValueError, match="needs rmsnorm_weight"):
