@@ -393,6 +393,15 @@ def _bits_equal(got, want, what):
     assert torch.equal(a, b), f"{what}: {int((got != want).sum())} elements differ"
 
 
+def _bit_identity_case(regime: str, m: int, base_seed: int):
+    """(x, gate, bias, residual [m, H]) of one bit-identity comparison."""
+    seed = base_seed + 10 * m + (regime == "balanced")
+    x, gate, bias = _routing_case(regime, m, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    residual = torch.randn(m, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    return x, gate, bias, residual
+
+
 @pytest.mark.parametrize("input_norm", [False, True], ids=["plain", "input_norm"])
 @pytest.mark.parametrize("regime", ["dummy", "balanced"])
 @pytest.mark.parametrize("m", M_BUCKETS)
@@ -401,10 +410,7 @@ def test_router_paths_are_bit_identical(experts, m, regime, input_norm):
     (global logits, atomic ticket) route from the same bf16 logits with the
     same code: the same table, route weights, normalised x and MoE output bit
     for bit.  The cluster path never touches the ticket counters."""
-    seed = 1200 + 10 * m + (regime == "balanced")
-    x, gate, bias = _routing_case(regime, m, seed)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    residual = torch.randn(m, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    x, gate, bias, residual = _bit_identity_case(regime, m, 1200)
     results = {}
     for router_cluster in (True, False):
         if input_norm:
@@ -446,10 +452,7 @@ def test_expert_weight_l2_policy_is_bit_identical(experts, regime, policy):
     same table, route weights and output bit for bit as the plain loads, at
     every M-bucket and with the fused residual + RMSNorm epilogue."""
     for m in M_BUCKETS:
-        seed = 1500 + 10 * m + (regime == "balanced")
-        x, gate, bias = _routing_case(regime, m, seed)
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        residual = torch.randn(m, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+        x, gate, bias, residual = _bit_identity_case(regime, m, 1500)
         results = {}
         for l2_policy in (None, policy):
             moe = PreparedMoe(
