@@ -135,6 +135,14 @@ def _check(name: str, t, shape: tuple, dtype, device) -> None:
         raise ValueError(f"{name} must be 16-byte aligned for vector loads")
 
 
+def expert_l2_policy_for_bucket(
+    bucket: int, policy: str | None, max_bucket: int | None
+) -> str | None:
+    """The expert weight L2 policy the kernels of M-bucket ``bucket`` take:
+    ``policy`` up to ``max_bucket`` (None: every bucket), else plain loads."""
+    return policy if max_bucket is None or bucket <= max_bucket else None
+
+
 class PreparedMoe:
     """Kimi-style MoE block for M <= 16 tokens on SM90.
 
@@ -170,7 +178,8 @@ class PreparedMoe:
     ``expert_weight_l2_policy``: None (default, plain loads), ``"evict_first"``
     or ``"evict_last"``: the L2 cache policy of the gate_up and down launches'
     expert weight loads (routed and shared); the router's loads keep none.
-    For A/Bs of what a layer's streamed-once expert weights displace from L2.
+    ``expert_weight_l2_policy_max_bucket``: the largest M-bucket whose kernels
+    take that policy (None: every bucket); larger buckets keep plain loads.
     """
 
     def __init__(
@@ -193,9 +202,11 @@ class PreparedMoe:
         router_cluster: bool = True,
         router_cluster_max_bucket: int = ROUTER_CLUSTER_MAX_BUCKET,
         expert_weight_l2_policy: str | None = None,
+        expert_weight_l2_policy_max_bucket: int | None = None,
     ):
         l2_policy_value(expert_weight_l2_policy)  # raises on an unknown name
         self.expert_weight_l2_policy = expert_weight_l2_policy
+        self.expert_weight_l2_policy_max_bucket = expert_weight_l2_policy_max_bucket
         if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
             raise ValueError("w13 must be a 3-D [E, 2*I, H] torch.Tensor")
         if not w13.is_cuda:
@@ -301,6 +312,11 @@ class PreparedMoe:
     def _router_cluster_bucket(self, bucket: int) -> bool:
         return self.router_cluster and bucket <= self.router_cluster_max_bucket
 
+    def _expert_l2_policy(self, bucket: int) -> str | None:
+        policy = self.expert_weight_l2_policy
+        max_bucket = self.expert_weight_l2_policy_max_bucket
+        return expert_l2_policy_for_bucket(bucket, policy, max_bucket)
+
     def router_cluster_for(self, m: int) -> bool:
         """Whether a run of ``m`` tokens gathers the router's logits through
         the cluster (else the global logits and the ticket)."""
@@ -321,11 +337,11 @@ class PreparedMoe:
             ),
             MoeExpertKernel(
                 STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
-                lanes, warps, self.use_pdl, self.expert_weight_l2_policy,
+                lanes, warps, self.use_pdl, self._expert_l2_policy(bucket),
             ),
             MoeExpertKernel(
                 STAGE_DOWN, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
-                lanes, warps, self.use_pdl, self.expert_weight_l2_policy,
+                lanes, warps, self.use_pdl, self._expert_l2_policy(bucket),
             ),
             MoeCombineKernel(
                 s.hidden, s.num_experts, s.top_k, bucket, fused, self.eps,
@@ -338,7 +354,7 @@ class PreparedMoe:
             self.shape, bucket, self.split_k, self.scale, self.renormalize,
             self.gamma is not None, self.eps, self.use_pdl, self.config,
             self.input_gamma is not None, self.input_eps,
-            self._router_cluster_bucket(bucket), self.expert_weight_l2_policy,
+            self._router_cluster_bucket(bucket), self._expert_l2_policy(bucket),
         )  # fmt: skip
 
     def compile(self, buckets=M_BUCKETS) -> dict[int, float]:

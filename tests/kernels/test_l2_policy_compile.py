@@ -26,7 +26,12 @@ from ptx_dump import compiled_ptx  # noqa: E402
 from kernels.common.l2_policy import L2_POLICY_VALUES, l2_policy_value  # noqa: E402
 from kernels.gemm.kernel import SkinnyGemmKernel  # noqa: E402
 from kernels.moe.kernel import MoeExpertKernel  # noqa: E402
-from kernels.moe.prepared import MoeShape, slot_lanes_for  # noqa: E402
+from kernels.moe.prepared import (  # noqa: E402
+    M_BUCKETS,
+    MoeShape,
+    expert_l2_policy_for_bucket,
+    slot_lanes_for,
+)
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2304, 1024, 256, 8
 SHAPE = MoeShape(HIDDEN, INTER, EXPERTS, TOP_K)
@@ -138,3 +143,12 @@ def test_weight_policy_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown L2 cache policy"):
         expert_kernel("down-m1", "last")
     assert l2_policy_value(None) is None
+
+
+def test_expert_policy_stops_at_its_largest_bucket():
+    """PreparedMoe compiles each M-bucket's expert launches with the policy up to
+    ``expert_weight_l2_policy_max_bucket`` and plain loads above it."""
+    got = {b: expert_l2_policy_for_bucket(b, "evict_first", 4) for b in M_BUCKETS}
+    assert got == {1: "evict_first", 2: "evict_first", 4: "evict_first", 8: None, 16: None}
+    assert {expert_l2_policy_for_bucket(b, "evict_last", None) for b in M_BUCKETS} == {"evict_last"}
+    assert {expert_l2_policy_for_bucket(b, None, 16) for b in M_BUCKETS} == {None}

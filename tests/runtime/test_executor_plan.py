@@ -975,15 +975,32 @@ def test_kernel_factory_reads_the_mps_limit_when_built(monkeypatch):
 @pytest.mark.parametrize(
     ("environ", "policy"),
     [
-        ({}, None),
-        ({"VLLM_HD_EXPERT_L2_POLICY": ""}, None),
-        ({"VLLM_HD_EXPERT_L2_POLICY": "evict_first"}, "evict_first"),
-        ({"VLLM_HD_EXPERT_L2_POLICY": "evict_last"}, "evict_last"),
+        ({}, ("evict_first", 4)),
+        ({"VLLM_HD_EXPERT_L2_POLICY": ""}, ("evict_first", 4)),
+        ({"VLLM_HD_EXPERT_L2_POLICY": "none"}, (None, None)),
+        ({"VLLM_HD_EXPERT_L2_POLICY": "evict_first"}, ("evict_first", None)),
+        ({"VLLM_HD_EXPERT_L2_POLICY": "evict_last"}, ("evict_last", None)),
     ],
 )
 def test_the_expert_l2_policy_switch(environ, policy):
-    """The engine A/B switch of the experts' weight L2 policy; unset = none."""
+    """Unset: evict_first up to M-bucket 4 (measured faster there, slower at 8);
+    the switch turns it off or applies a policy at every bucket."""
     assert decode.expert_l2_policy_from_env(environ) == policy
+
+
+def test_the_kernel_factory_hands_the_expert_l2_policy_to_the_moe(monkeypatch):
+    prepared = pytest.importorskip(
+        "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.moe.prepared",
+        reason="CuTe DSL is not installed",
+    )
+    monkeypatch.setattr(prepared, "PreparedMoe", lambda **kwargs: kwargs)
+    monkeypatch.delenv("VLLM_HD_EXPERT_L2_POLICY", raising=False)
+    kwargs = decode.KernelFactory(clusters=True).moe(top_k=8)
+    assert kwargs["expert_weight_l2_policy"] == "evict_first"
+    assert kwargs["expert_weight_l2_policy_max_bucket"] == 4
+    monkeypatch.setenv("VLLM_HD_EXPERT_L2_POLICY", "none")
+    kwargs = decode.KernelFactory(clusters=True).moe(top_k=8)
+    assert kwargs["expert_weight_l2_policy"] is None
 
 
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):
@@ -991,5 +1008,6 @@ def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypa
     with pytest.raises(ValueError, match="VLLM_HD_EXPERT_L2_POLICY='evict_normal'"):
         decode.KernelFactory()
     monkeypatch.delenv("VLLM_HD_EXPERT_L2_POLICY")
-    assert decode.KernelFactory().expert_l2_policy is None
-    assert decode.KernelFactory(expert_l2_policy="evict_first").expert_l2_policy == ("evict_first")
+    assert decode.KernelFactory().expert_l2_policy == decode.DEFAULT_EXPERT_L2_POLICY
+    explicit = ("evict_last", 8)
+    assert decode.KernelFactory(expert_l2_policy=explicit).expert_l2_policy == explicit

@@ -101,25 +101,37 @@ def clusters_allowed(environ: dict[str, str] | None = None) -> bool:
         return False
 
 
-# An experiment switch for an A/B inside the engine (gemm_notes.md, last
-# section): the L2 cache policy of the MoE experts' weight loads; unset or empty
-# = none (the default kernels).
+# The L2 cache policy of the MoE experts' weight loads and the largest M-bucket
+# that takes it (None: every bucket). Streamed once per step, the expert lines
+# marked evict_first leave the activations, the MoE workspace and the next
+# GEMM's first lines in L2: 1.0-1.25 us less per MoE layer at M = 1-4 and 0.5 us
+# more at M = 8 (kernel probe), 27 / 17 us less per decode step at N = 1 / 2 in
+# the engine (docs/perf/gemm_notes.md, 2026-12-02 and 2026-12-03).
+DEFAULT_EXPERT_L2_POLICY: tuple[str | None, int | None] = ("evict_first", 4)
+# Overrides it for A/Bs: "none" (plain loads, the kernels of hd.13 and before),
+# or "evict_first" / "evict_last" at every bucket.
 EXPERT_L2_POLICY_ENV = "VLLM_HD_EXPERT_L2_POLICY"
+EXPERT_L2_POLICY_OFF = "none"
 EXPERT_L2_POLICIES = ("evict_first", "evict_last")
 
 
-def expert_l2_policy_from_env(environ: dict[str, str] | None = None) -> str | None:
-    """The experts' weight L2 policy ``EXPERT_L2_POLICY_ENV`` asks for (None if
-    unset or empty); raises, naming the variable, on any other value."""
+def expert_l2_policy_from_env(
+    environ: dict[str, str] | None = None,
+) -> tuple[str | None, int | None]:
+    """(policy, largest M-bucket that takes it) as ``EXPERT_L2_POLICY_ENV`` asks
+    (``DEFAULT_EXPERT_L2_POLICY`` if unset or empty); raises, naming the
+    variable, on an unknown value."""
     value = (os.environ if environ is None else environ).get(EXPERT_L2_POLICY_ENV)
     if not value:
-        return None
+        return DEFAULT_EXPERT_L2_POLICY
+    if value == EXPERT_L2_POLICY_OFF:
+        return (None, None)
     if value not in EXPERT_L2_POLICIES:
         raise ValueError(
             f"{EXPERT_L2_POLICY_ENV}={value!r}: expected one of "
-            f"{', '.join(EXPERT_L2_POLICIES)} (or unset)"
+            f"{', '.join((EXPERT_L2_POLICY_OFF, *EXPERT_L2_POLICIES))} (or unset)"
         )
-    return value
+    return (value, None)
 
 
 # --------------------------------------------------------------------- kernels
@@ -131,21 +143,28 @@ class KernelFactory:
     ``clusters``: whether split GEMMs reduce K and the MoE router gathers its
     logits through thread-block clusters (default: unless an MPS active-thread
     limit is set, ``clusters_allowed``). ``expert_l2_policy``: the MoE experts'
-    weight L2 policy (default: ``EXPERT_L2_POLICY_ENV``, unset = none).
+    weight L2 policy and the largest M-bucket that takes it (default:
+    ``expert_l2_policy_from_env``).
     """
 
     def __init__(
-        self, clusters: bool | None = None, expert_l2_policy: str | None = None
+        self,
+        clusters: bool | None = None,
+        expert_l2_policy: tuple[str | None, int | None] | None = None,
     ) -> None:
         self.clusters = clusters_allowed() if clusters is None else clusters
-        self.expert_l2_policy = expert_l2_policy or expert_l2_policy_from_env()
-        if self.expert_l2_policy:
-            logger.info(
-                "Kimi-Linear specialized decode: the MoE experts' weight loads "
-                "carry the L2 policy %s (%s)",
-                self.expert_l2_policy,
-                EXPERT_L2_POLICY_ENV,
-            )
+        if expert_l2_policy is None:
+            expert_l2_policy = expert_l2_policy_from_env()
+        self.expert_l2_policy = expert_l2_policy
+        policy, max_bucket = self.expert_l2_policy
+        where = "every M-bucket" if max_bucket is None else f"M-buckets <= {max_bucket}"
+        logger.info(
+            "Kimi-Linear specialized decode: the MoE experts' weight loads carry %s "
+            "(%s=%r)",
+            f"the L2 policy {policy} at {where}" if policy else "no L2 policy",
+            EXPERT_L2_POLICY_ENV,
+            os.environ.get(EXPERT_L2_POLICY_ENV, ""),
+        )
         if not self.clusters:
             logger.info(
                 "Kimi-Linear specialized decode: %s=%s, so the split GEMMs and the "
@@ -214,7 +233,8 @@ class KernelFactory:
         return PreparedMoe(
             **kwargs,
             router_cluster=self.clusters,
-            expert_weight_l2_policy=self.expert_l2_policy,
+            expert_weight_l2_policy=self.expert_l2_policy[0],
+            expert_weight_l2_policy_max_bucket=self.expert_l2_policy[1],
         )
 
     def mla_cache_row(
