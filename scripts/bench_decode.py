@@ -43,12 +43,14 @@ host (refusing results of different GPUs or wheels).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -876,12 +878,41 @@ def _spawn(args, role: str, result: Path) -> None:
         cmd += ["--keep-traces", str(args.keep_traces)]
     env = worker_env(os.environ, args.triton_cache)
     env[COMMAND_ENV] = "python3 " + " ".join(sys.argv)
-    done = subprocess.run(cmd, env=env)
-    if done.returncode != 0:
+    returncode = run_worker(cmd, env, role)
+    if returncode != 0:
         raise SystemExit(
-            f"error: the {role} run failed (exit {done.returncode}); see its output above. "
+            f"error: the {role} run failed (exit {returncode}); see its output above. "
             "Nothing was written."
         )
+
+
+def run_worker(cmd: list[str], env: dict[str, str], role: str) -> int:
+    """Run one role's worker in its own process group and wait for it. A SIGTERM
+    or SIGINT to this process (``timeout``, Ctrl-C) kills the whole group first:
+    left running, the worker's engine process kept the GPU busy beside the
+    next role's engine (2026-12-03)."""
+    worker = subprocess.Popen(cmd, env=env, start_new_session=True)
+    stopped_by: list[int] = []
+
+    def stop(signum, _frame):
+        # Only kill here: the interrupted worker.wait() below holds Popen's lock
+        # and returns once the group is gone.
+        stopped_by.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        returncode = worker.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stopped_by:
+        raise SystemExit(
+            f"error: stopped by signal {stopped_by[0]} during the {role} run; its worker "
+            "and engine processes were killed. Nothing was written."
+        )
+    return returncode
 
 
 def main() -> int:

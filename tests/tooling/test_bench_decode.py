@@ -460,3 +460,60 @@ def test_assemble_records_the_experiment_switches_and_refuses_mixed_ones():
     with pytest.raises(ValueError, match="different VLLM_HD_\\* switches"):
         bench.assemble(CONFIG, got, "m")
     assert bench.assemble(CONFIG, _role_results(), "m")["switches"] == {}  # none recorded
+
+
+PARENT = """
+import sys
+sys.path.insert(0, {scripts!r})
+import bench_decode
+worker = [sys.executable, "-c", {worker!r}]
+bench_decode.run_worker(worker, dict(__import__("os").environ), "latency_specialized")
+"""
+# The worker starts a grandchild (as the engine's core process is), records its
+# pid and waits.
+WORKER = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open({pid_file!r}, "w").write(str(child.pid))
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited; only its parent has not reaped it yet.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ")[1].startswith("Z"))
+
+
+def test_a_stopped_bench_kills_its_worker_and_the_engine_below_it(tmp_path):
+    """``timeout`` stops bench_decode with SIGTERM: the worker and what it
+    started (the engine core) must go with it, not keep the GPU busy."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "grandchild.pid"
+    scripts = str(Path(bench.__file__).resolve().parent)
+    code = PARENT.format(scripts=scripts, worker=WORKER.format(pid_file=str(pid_file)))
+    parent = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert time.monotonic() < deadline, "the worker never started its child"
+        time.sleep(0.05)
+    grandchild = int(pid_file.read_text())
+    assert _alive(grandchild)
+    parent.send_signal(signal.SIGTERM)
+    _, err = parent.communicate(timeout=30)
+    assert parent.returncode == 1
+    assert "stopped by signal 15 during the latency_specialized run" in err
+    deadline = time.monotonic() + 10
+    while _alive(grandchild):
+        assert time.monotonic() < deadline, "the engine's process outlived the bench"
+        time.sleep(0.05)
