@@ -447,10 +447,11 @@ def test_router_paths_are_bit_identical(experts, m, regime, input_norm):
 @pytest.mark.parametrize("policy", ["evict_first", "evict_last"])
 @pytest.mark.parametrize("regime", ["dummy", "balanced"])
 def test_expert_weight_l2_policy_is_bit_identical(experts, regime, policy):
-    """An L2 cache policy on the expert weight loads (the executor's
-    VLLM_HD_EXPERT_L2_POLICY) changes what stays in L2, not a loaded value: the
-    same table, route weights and output bit for bit as the plain loads, at
-    every M-bucket and with the fused residual + RMSNorm epilogue."""
+    """An L2 cache policy on the expert weight loads (evict_first: the
+    executor's default at M-buckets 1-4, VLLM_HD_EXPERT_L2_POLICY) changes what
+    stays in L2, not a loaded value: the same table, route weights and output
+    bit for bit as the plain loads, at every M-bucket and with the fused
+    residual + RMSNorm epilogue."""
     for m in M_BUCKETS:
         x, gate, bias, residual = _bit_identity_case(regime, m, 1500)
         results = {}
