@@ -9,6 +9,11 @@ summary's shape (what `make upstream-pr` reads) and the markdown table.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import bench_decode as bench
@@ -480,8 +485,6 @@ time.sleep(120)
 
 
 def _alive(pid: int) -> bool:
-    import os
-
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -494,11 +497,6 @@ def _alive(pid: int) -> bool:
 def test_a_stopped_bench_kills_its_worker_and_the_engine_below_it(tmp_path):
     """``timeout`` stops bench_decode with SIGTERM: the worker and what it
     started (the engine core) must go with it, not keep the GPU busy."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
     pid_file = tmp_path / "grandchild.pid"
     scripts = str(Path(bench.__file__).resolve().parent)
     code = PARENT.format(scripts=scripts, worker=WORKER.format(pid_file=str(pid_file)))
