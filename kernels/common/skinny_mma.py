@@ -95,7 +95,6 @@ class WarpRowTileMma:
         self.unroll = max(1, min(unroll, steps))
         self.halves = halves
         self.k_ragged = k_ragged
-        self.weight_l2_policy = weight_l2_policy
         self.weight_policy_value = l2_policy_value(weight_l2_policy)
 
     @cute.jit
