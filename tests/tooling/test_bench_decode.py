@@ -501,17 +501,23 @@ def test_a_stopped_bench_kills_its_worker_and_the_engine_below_it(tmp_path):
     scripts = str(Path(bench.__file__).resolve().parent)
     code = PARENT.format(scripts=scripts, worker=WORKER.format(pid_file=str(pid_file)))
     parent = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (pid_file.exists() and pid_file.read_text()):
-        assert time.monotonic() < deadline, "the worker never started its child"
-        time.sleep(0.05)
-    grandchild = int(pid_file.read_text())
-    assert _alive(grandchild)
-    parent.send_signal(signal.SIGTERM)
-    _, err = parent.communicate(timeout=30)
-    assert parent.returncode == 1
-    assert "stopped by signal 15 during the latency_specialized run" in err
-    deadline = time.monotonic() + 10
-    while _alive(grandchild):
-        assert time.monotonic() < deadline, "the engine's process outlived the bench"
-        time.sleep(0.05)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline, "the worker never started its child"
+            time.sleep(0.05)
+        grandchild = int(pid_file.read_text())
+        assert _alive(grandchild)
+        parent.send_signal(signal.SIGTERM)
+        _, err = parent.communicate(timeout=30)
+        assert parent.returncode == 1
+        assert "stopped by signal 15 during the latency_specialized run" in err
+        deadline = time.monotonic() + 10
+        while _alive(grandchild):
+            assert time.monotonic() < deadline, "the engine's process outlived the bench"
+            time.sleep(0.05)
+    finally:  # a failed check must not leave them running
+        if parent.poll() is None:
+            parent.kill()
+        if pid_file.exists() and pid_file.read_text() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
