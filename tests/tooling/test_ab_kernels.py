@@ -70,3 +70,17 @@ def test_one_change_ab_scripts_share_the_argument_checks():
         with pytest.raises(SystemExit) as stop:
             bad()
         assert stop.value.code == 2
+
+
+def test_moe_seam_probe_refuses_bad_arguments_before_any_gpu_work(tmp_path):
+    """scripts/probe_moe_seams.py: an unknown variant or token count is a usage error
+    (exit 2) before torch is imported or a GPU looked for."""
+    probe = ROOT / "scripts" / "probe_moe_seams.py"
+    for bad, said in ((["--variants", "full,no_gate_up"], "unknown variant"),
+                      (["--m", "0"], "--m values must lie in 1..16")):  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, str(probe), "--out", str(tmp_path), *bad],
+            capture_output=True, text=True, cwd=ROOT,
+        )  # fmt: skip
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert not any(tmp_path.iterdir())

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Upper bounds of what reworking the MoE router or folding away the combine can save.
+
+    python3 scripts/probe_moe_seams.py --out DIR [--m 1,2] [--variants ...]   # H200
+
+At N = 1 the router and the combine take ~127 and ~91 µs of a 2.13 ms decode step
+(advance in the kernel trace, wheel hd.14) while moving almost no bytes: they are latency
+on the critical path between the weight streams. Before either is rebuilt, this probe
+measures how much of that latency the surrounding launches would actually give back.
+
+Per layer, chained in one CUDA graph as the decode executor chains them (bench_moe's
+layers: 4 distinct weight sets, both routing regimes; ``ab_norm_seam.Seam``'s o_proj):
+o_proj (2304 x 4096, ``residual_sumsq``) -> the MoE normalising its own input (router,
+gate_up, down, combine with the next layer's RMSNorm) -> the next layer's KDA in_proj
+(12576 x 2304, plain), reading the MoE's normed output. Variants:
+
+* ``full``: every launch (the executor's chain);
+* ``no_combine``: the combine left out, in_proj chained straight behind ``down``;
+* ``no_router``: the router left out, gate_up chained straight behind o_proj and
+  reading the routing table and normed x a full run left (o_proj then adds its
+  squares into a scratch buffer: nothing re-arms the MoE's own sums);
+* ``no_router_no_combine``: both left out.
+
+A variant without a launch computes garbage on purpose (stale tables and inputs): it is
+a timing bound, never a kernel. ``full`` minus a variant is the most a rework of the
+missing launch could save per layer *in this chain*; a real rework keeps part of the
+work, so it saves less. Each variant is timed in each of 3 rounds (interleaved), the
+median per variant reported. Prints a table and writes DIR/probe_moe_seams.json. Our
+kernels only: no stock sequence in this probe.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import ab_kernels  # noqa: E402
+
+JSON_NAME = "probe_moe_seams.json"
+M_VALUES = "1,2"
+# Which of the MoE's four launches (router, gate_up, down, combine) each variant runs.
+VARIANTS = {
+    "full": (0, 1, 2, 3),
+    "no_combine": (0, 1, 2),
+    "no_router": (1, 2, 3),
+    "no_router_no_combine": (1, 2),
+}
+ROUTER = 0
+# The KDA layer's fused input projection (q, k, v, b, f_a, g_a) that follows most MoEs.
+IN_PROJ_ROWS = 3 * 4096 + 32 + 128 + 128
+ROUNDS = 3
+LAYERS, REPS, REPLAYS = 4, 4, 20
+
+
+class Chain:
+    """One layer: o_proj, the input-normalising MoE and the next in_proj, on weights
+    of its own."""
+
+    def __init__(self, layer, gen):
+        import torch
+
+        import ab_norm_seam
+        import bench_moe as bm
+        from kernels.gemm.prepared import PreparedGemm
+
+        self.seam = ab_norm_seam.Seam(layer, gen)
+        w_in = torch.randn(IN_PROJ_ROWS, bm.HIDDEN, generator=gen, device="cuda")
+        self.in_proj = PreparedGemm((w_in / bm.HIDDEN**0.5).to(torch.bfloat16), "plain")
+        # o_proj's squares when no router consumes and re-arms the MoE's own sums.
+        self.scratch_sums = torch.zeros_like(self.seam.moe_norm.input_sums)
+
+    def run(self, bufs: dict, launches: tuple) -> None:
+        moe = self.seam.moe_norm
+        sums = moe.input_sums if ROUTER in launches else self.scratch_sums
+        self.seam.o_sums.run(bufs["attn"], None, bufs["residual"], bufs["mid"], sums=sums)
+        # Bound inside the capture: launches() binds the current stream.
+        moe_launches = moe.launches(bufs["x"], bufs["out"], bufs["mid"], bufs["residual_out"])
+        for index in launches:
+            moe_launches[index]()
+        self.in_proj.run(bufs["out"], bufs["y"])
+
+
+def _buffers(m: int, gen) -> dict:
+    import torch
+
+    import ab_norm_seam
+
+    bufs = ab_norm_seam.buffers(m, gen)
+    bufs["y"] = torch.empty(m, IN_PROJ_ROWS, dtype=torch.bfloat16, device="cuda")
+    return bufs
+
+
+def run(m_values, variants, layers_n, reps, replays) -> list[dict]:
+    import torch
+
+    import bench_moe as bm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for regime in bm.REGIMES:
+        chains = [Chain(bm.Layer(regime, gen, None), gen) for _ in range(layers_n)]
+        for m in m_values:
+            bufs = _buffers(m, gen)
+            for chain in chains:  # routing tables and normed x for the partial variants
+                chain.run(bufs, VARIANTS["full"])
+            torch.cuda.synchronize()
+            if bufs["y"].isnan().any():
+                raise SystemExit(f"{regime} M={m}: the full chain left NaN; not timing")
+            runs = {v: [] for v in variants}
+            for _ in range(ROUNDS):
+                for v in variants:
+                    runs[v].append(
+                        bm.time_graph(
+                            lambda chain, v=v, bufs=bufs: chain.run(bufs, VARIANTS[v]),
+                            chains, reps, replays,
+                        )[0]
+                    )  # fmt: skip
+            us = {v: statistics.median(runs[v]) for v in variants}
+            row = {"regime": regime, "m": m, "us": us, "runs_us": runs}
+            if "full" in us:
+                row["bound_us"] = {v: us["full"] - t for v, t in us.items() if v != "full"}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "runs_us"}), flush=True)
+        del chains
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict], variants) -> str:
+    lines = [f"{'regime':9s} {'M':>3s} " + " ".join(f"{v:>21s}" for v in variants)]
+    for r in rows:
+        cells = []
+        for v in variants:
+            bound = r.get("bound_us", {}).get(v)
+            extra = "" if bound is None else f" ({bound:+.2f})"
+            cells.append(f"{r['us'][v]:.2f}{extra}".rjust(21))
+        lines.append(f"{r['regime']:9s} {r['m']:3d} " + " ".join(cells))
+    lines.append("µs per layer; in brackets: full minus the variant (the bound)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = ab_kernels.ab_parser(__doc__, JSON_NAME, M_VALUES)
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)",
+    )
+    parser.add_argument("--layers", type=int, default=LAYERS, help="distinct layers per graph")
+    parser.add_argument("--reps", type=int, default=REPS, help="repetitions per graph")
+    parser.add_argument("--replays", type=int, default=REPLAYS, help="timed graph replays")
+    args = parser.parse_args()
+    variants = ab_kernels.parsed_subset(parser, args.variants, VARIANTS, "variant")
+    m_values = ab_kernels.parsed_token_counts(parser, args.m)
+    missing = ab_kernels.sm90_missing()
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
+    rows = run(m_values, variants, args.layers, args.reps, args.replays)
+    print(table(rows, variants))
+    what = (
+        "o_proj (residual_sumsq) -> MoE (input norm; router, gate_up, down, combine) -> "
+        "next KDA in_proj per layer, µs per layer in bench_moe's CUDA-graph method over "
+        "layers with distinct weights; variants leave the router and/or the combine out "
+        "(timing bounds, outputs not meaningful); median of 3 interleaved rounds"
+    )
+    fields = {"what": what, "layers": args.layers, "reps": args.reps, "replays": args.replays}
+    ab_kernels.write_report(args.out, JSON_NAME, "probe_moe_seams.py", fields, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
