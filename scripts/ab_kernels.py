@@ -85,6 +85,31 @@ def ab_parser(doc: str, json_name: str, m_default: str) -> argparse.ArgumentPars
     return parser
 
 
+def layered_ab_parser(
+    doc: str, json_name: str, m_default: str, subset: str, choices, layers: int,
+    reps: int, replays: int,
+) -> argparse.ArgumentParser:  # fmt: skip
+    """``ab_parser`` plus ``--<subset>`` (comma-separated names of ``choices``, all
+    by default) and bench_moe's graph method: ``--layers``, ``--reps``, ``--replays``."""
+    parser = ab_parser(doc, json_name, m_default)
+    parser.add_argument(
+        f"--{subset}",
+        default=",".join(choices),
+        help=f"comma-separated subset of {', '.join(choices)} (default: all)",
+    )
+    parser.add_argument("--layers", type=int, default=layers, help="distinct layers per graph")
+    parser.add_argument("--reps", type=int, default=reps, help="repetitions per graph")
+    parser.add_argument("--replays", type=int, default=replays, help="timed graph replays")
+    return parser
+
+
+def parsed_layered_ab_args(parser, subset: str, choices, what: str):
+    """(args, the chosen ``subset`` names, the token counts); usage errors exit 2."""
+    args = parser.parse_args()
+    names = parsed_subset(parser, getattr(args, subset), choices, what)
+    return args, names, parsed_token_counts(parser, args.m)
+
+
 def parsed_subset(parser, text: str, choices, what: str) -> list[str]:
     """``text``'s comma-separated names, each one of ``choices`` (else a usage error)."""
     names = text.split(",")

@@ -266,18 +266,10 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = ab_kernels.ab_parser(__doc__, JSON_NAME, M_VALUES)
-    parser.add_argument(
-        "--parts",
-        default=",".join(PARTS),
-        help=f"comma-separated subset of {', '.join(PARTS)} (default: all)",
+    parser = ab_kernels.layered_ab_parser(
+        __doc__, JSON_NAME, M_VALUES, "parts", PARTS, LAYERS, REPS, REPLAYS
     )
-    parser.add_argument("--layers", type=int, default=LAYERS, help="distinct layers per graph")
-    parser.add_argument("--reps", type=int, default=REPS, help="repetitions per graph")
-    parser.add_argument("--replays", type=int, default=REPLAYS, help="timed graph replays")
-    args = parser.parse_args()
-    parts = ab_kernels.parsed_subset(parser, args.parts, PARTS, "part")
-    m_values = ab_kernels.parsed_token_counts(parser, args.m)
+    args, parts, m_values = ab_kernels.parsed_layered_ab_args(parser, "parts", PARTS, "part")
     missing = ab_kernels.sm90_missing()
     if missing:
         print(f"error: {missing}", file=sys.stderr)

@@ -148,18 +148,12 @@ def table(rows: list[dict], variants) -> str:
 
 
 def main() -> int:
-    parser = ab_kernels.ab_parser(__doc__, JSON_NAME, M_VALUES)
-    parser.add_argument(
-        "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)",
+    parser = ab_kernels.layered_ab_parser(
+        __doc__, JSON_NAME, M_VALUES, "variants", VARIANTS, LAYERS, REPS, REPLAYS
     )
-    parser.add_argument("--layers", type=int, default=LAYERS, help="distinct layers per graph")
-    parser.add_argument("--reps", type=int, default=REPS, help="repetitions per graph")
-    parser.add_argument("--replays", type=int, default=REPLAYS, help="timed graph replays")
-    args = parser.parse_args()
-    variants = ab_kernels.parsed_subset(parser, args.variants, VARIANTS, "variant")
-    m_values = ab_kernels.parsed_token_counts(parser, args.m)
+    args, variants, m_values = ab_kernels.parsed_layered_ab_args(
+        parser, "variants", VARIANTS, "variant"
+    )
     missing = ab_kernels.sm90_missing()
     if missing:
         print(f"error: {missing}", file=sys.stderr)
