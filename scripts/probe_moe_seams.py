@@ -94,7 +94,8 @@ def _buffers(m: int, gen) -> dict:
     import ab_norm_seam
 
     bufs = ab_norm_seam.buffers(m, gen)
-    bufs["y"] = torch.empty(m, IN_PROJ_ROWS, dtype=torch.bfloat16, device="cuda")
+    # NaN until written: the full chain's check below sees an unwritten output.
+    bufs["y"] = torch.full((m, IN_PROJ_ROWS), float("nan"), dtype=torch.bfloat16, device="cuda")
     return bufs
 
 
