@@ -21,6 +21,15 @@
 #                                        # cluster-vs-ticket A/B at HD_AB_M (default every M),
 #                                        # each under its own time limit (HD_KERNEL_TESTS_S,
 #                                        # HD_AB_S); works in the vllm bundle (it holds CuTe DSL)
+#   sh ci/gpu/device_session.sh engine-ab VAR VALUE...  # the specialized engine once per
+#                                        # value of the experiment switch VAR (--runs 1, N =
+#                                        # HD_AB_N, default 1,2; ~2.5 min per engine with a warm
+#                                        # Triton cache, HD_AB_ENGINE_S each): its role result
+#                                        # (step time, GPU busy per step, kernel table) and the
+#                                        # KDA step's start / end against in_proj's end in the
+#                                        # N = 1 trace (scripts/trace_seams.py) per value;
+#                                        # results stay on the host (HD_AB_DIR, default /tmp),
+#                                        # so one value per call works too
 #   sh ci/gpu/device_session.sh save-caches         # the host's Triton cache (with the
 #                                        # autotuning results) into $OUT in <= 15 MiB pieces;
 #                                        # put them in .gpu-cache/ and carry it: a fresh host
@@ -141,6 +150,31 @@ kernel-round)
     echo "ab_router_cluster: exit $?"
     grep -v '^{' "$OUT/ab_router_cluster.log" | tail -40
     ;;
+engine-ab)
+    var="${2:?engine-ab needs a switch name and values, e.g. VLLM_HD_MOE_FOLD_COMBINE 0 1}"
+    shift 2
+    [ $# -gt 0 ] || { echo "engine-ab: no value given for $var" >&2; exit 2; }
+    ab="${HD_AB_DIR:-/tmp}/hd-ab"
+    for value in "$@"; do
+        tag=$(echo "$value" | tr -c 'A-Za-z0-9_.\n-' _)  # returned names: no odd characters
+        [ -n "$tag" ] || tag=empty
+        rm -rf "$ab-$tag"
+        env "$var=$value" timeout "${HD_AB_ENGINE_S:-290}" python3 scripts/bench_decode.py \
+            --out-dir "$ab-out-$tag" --scratch "$ab-$tag" --runs 1 \
+            --n "${HD_AB_N:-1,2}" --roles latency_specialized --triton-cache "$TRITON" \
+            --keep-traces "$ab-traces-$tag" > "$ab-$tag.log" 2>&1
+        echo "engine $var=$value: exit $?"
+        grep -v "Autotuning kernel" "$ab-$tag.log" \
+            | grep -E " N=|rror|Traceback|specialized decode:" | tail -8
+        cp "$ab-$tag/latency_specialized.json" "$OUT/ab-$tag.json" 2>/dev/null \
+            && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
+print('GPU busy us per step:', {k[-2:]: round(v['busy_us_per_step'], 1) \
+for k, v in d.items() if k.startswith('profile_n') and v})" "$OUT/ab-$tag.json"
+        python3 scripts/trace_seams.py \
+            "$ab-traces-$tag/trace-latency_specialized-n1.json.gz" --after KdaDecode \
+            --before SkinnyGemm --before-grid 786,1,1 --json "$OUT/seams-$tag.json"
+    done
+    ;;
 save-caches)
     tar czf /tmp/hd-caches.tgz -C / "${TRITON#/}"
     split -b 15m -d /tmp/hd-caches.tgz "$OUT/caches.tgz."
@@ -169,7 +203,7 @@ upstream-gpu)
     done
     ;;
 *)
-    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|bench-context ROLE|host-loop|kernel-round [TEST...]|save-caches|upstream-gpu" >&2
+    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|bench-context ROLE|host-loop|kernel-round [TEST...]|engine-ab VAR VALUE...|save-caches|upstream-gpu" >&2
     exit 2
     ;;
 esac

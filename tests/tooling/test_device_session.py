@@ -1,0 +1,76 @@
+"""ci/gpu/device_session.sh engine-ab, with a stand-in bench_decode.py (no GPU)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Writes what bench_decode.py's latency_specialized role leaves: the role result in
+# --scratch (GPU busy from the switch's value) and an N = 1 trace in --keep-traces
+# where the KDA step starts 2 us before in_proj's end and ends 9 us after it.
+STAND_IN = r"""
+import argparse, gzip, json, os, pathlib
+ap = argparse.ArgumentParser()
+for a in ("--out-dir", "--scratch", "--runs", "--n", "--roles", "--triton-cache", "--keep-traces"):
+    ap.add_argument(a)
+args = ap.parse_args()
+assert args.roles == "latency_specialized" and args.runs == "1" and args.n == "1,2"
+busy = 2000.0 + float(os.environ["HD_SWITCH"])
+scratch = pathlib.Path(args.scratch)
+scratch.mkdir(parents=True)
+(scratch / "latency_specialized.json").write_text(json.dumps(
+    {"step_ms": {"1": busy / 1000}, "profile_n1": {"busy_us_per_step": busy}}))
+traces = pathlib.Path(args.keep_traces)
+traces.mkdir(parents=True, exist_ok=True)
+events = [
+    {"cat": "kernel", "name": "SkinnyGemmKernel", "ts": 0.0, "dur": 20.0,
+     "args": {"grid": [786, 1, 1]}},
+    {"cat": "kernel", "name": "KdaDecodeKernel", "ts": 18.0, "dur": 11.0, "args": {}},
+]
+with gzip.open(traces / "trace-latency_specialized-n1.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+print("latency_specialized N=1: [%.3f] ms" % (busy / 1000))
+"""
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+def test_engine_ab_runs_the_engine_once_per_value_and_returns_its_numbers(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    (tree / "ci" / "gpu").mkdir(parents=True)
+    shutil.copy(ROOT / "ci/gpu/device_session.sh", tree / "ci/gpu")
+    shutil.copy(ROOT / "scripts/trace_seams.py", tree / "scripts")
+    (tree / "scripts/bench_decode.py").write_text(STAND_IN)
+    out = tmp_path / "out"
+    out.mkdir()
+    # python3 on PATH is this interpreter (the script calls python3 by name).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = dict(
+        os.environ, OUT=str(out), HD_AB_DIR=str(tmp_path),
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    )  # fmt: skip
+    done = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH", "0", "1"],
+        cwd=tree, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "engine HD_SWITCH=0: exit 0" in done.stdout
+    assert "GPU busy us per step: {'n1': 2001.0}" in done.stdout
+    for tag, busy in (("0", 2000.0), ("1", 2001.0)):
+        result = json.loads((out / f"ab-{tag}.json").read_text())
+        assert result["profile_n1"]["busy_us_per_step"] == busy
+        seams = json.loads((out / f"seams-{tag}.json").read_text())
+        assert seams["start_us"]["median"] == -2.0 and seams["end_us"]["median"] == 9.0
+    missing = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH"],
+        cwd=tree, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "no value given for HD_SWITCH" in missing.stderr
