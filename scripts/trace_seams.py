@@ -16,7 +16,7 @@ predecessor end`` (how far it moved the step past its predecessor). Prints the c
 and the median, 10th and 90th percentiles of both, in µs.
 
 Session 24 (``docs/perf/moe_notes.md``): behind the normalising in_proj (168 registers,
-3 CTAs per SM) the KDA step started a median 2.4 µs before in_proj's end and ended 9.3
+3 CTAs per SM) the KDA step started a median 2.5 µs before in_proj's end and ended 9.2
 µs after it; an A/B of two engines compares these numbers from their traces.
 """
 
