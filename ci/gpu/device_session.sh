@@ -27,7 +27,8 @@
 #                                        # Triton cache, HD_AB_ENGINE_S each): its role result
 #                                        # (step time, GPU busy per step, kernel table) and the
 #                                        # KDA step's start / end against in_proj's end in the
-#                                        # N = 1 trace (scripts/trace_seams.py) per value;
+#                                        # N = 1 trace (scripts/trace_seams.py; HD_AB_SEAM holds
+#                                        # its arguments for another seam) per value;
 #                                        # results stay on the host (HD_AB_DIR, default /tmp),
 #                                        # so one value per call works too
 #   sh ci/gpu/device_session.sh save-caches         # the host's Triton cache (with the
@@ -155,6 +156,7 @@ engine-ab)
     shift 2
     [ $# -gt 0 ] || { echo "engine-ab: no value given for $var" >&2; exit 2; }
     ab="${HD_AB_DIR:-/tmp}/hd-ab"
+    seam="${HD_AB_SEAM:---after KdaDecode --before SkinnyGemm --before-grid 786,1,1}"
     for value in "$@"; do
         tag=$(echo "$value" | tr -c 'A-Za-z0-9_.\n-' _)  # returned names: no odd characters
         [ -n "$tag" ] || tag=empty
@@ -170,9 +172,9 @@ engine-ab)
             && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
 print('GPU busy us per step:', {k[-2:]: round(v['busy_us_per_step'], 1) \
 for k, v in d.items() if k.startswith('profile_n') and v})" "$OUT/ab-$tag.json"
-        python3 scripts/trace_seams.py \
-            "$ab-traces-$tag/trace-latency_specialized-n1.json.gz" --after KdaDecode \
-            --before SkinnyGemm --before-grid 786,1,1 --json "$OUT/seams-$tag.json"
+        # shellcheck disable=SC2086
+        python3 scripts/trace_seams.py "$ab-traces-$tag/trace-latency_specialized-n1.json.gz" \
+            $seam --json "$OUT/seams-$tag.json"
     done
     ;;
 save-caches)

@@ -69,6 +69,16 @@ def test_engine_ab_runs_the_engine_once_per_value_and_returns_its_numbers(tmp_pa
         assert result["profile_n1"]["busy_us_per_step"] == busy
         seams = json.loads((out / f"seams-{tag}.json").read_text())
         assert seams["start_us"]["median"] == -2.0 and seams["end_us"]["median"] == 9.0
+    # HD_AB_SEAM names another seam: no kernel precedes the GEMM, so no seams file.
+    other_out = tmp_path / "other"
+    other_out.mkdir()
+    done = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH", "2"],
+        cwd=tree, env=dict(env, OUT=str(other_out), HD_AB_SEAM="--after SkinnyGemm"),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert "no 'SkinnyGemm' kernel follows" in done.stderr
+    assert (other_out / "ab-2.json").is_file() and not (other_out / "seams-2.json").exists()
     missing = subprocess.run(
         ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH"],
         cwd=tree, env=env, capture_output=True, text=True,
