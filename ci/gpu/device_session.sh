@@ -24,7 +24,8 @@
 #   sh ci/gpu/device_session.sh engine-ab VAR VALUE...  # the specialized engine once per
 #                                        # value of the experiment switch VAR (--runs 1, N =
 #                                        # HD_AB_N, default 1,2; ~2.5 min per engine with a warm
-#                                        # Triton cache, HD_AB_ENGINE_S each): its role result
+#                                        # Triton cache, > 4.5 min with a cold one, limit
+#                                        # HD_AB_ENGINE_S each, default 560): its role result
 #                                        # (step time, GPU busy per step, kernel table) and the
 #                                        # KDA step's start / end against in_proj's end in the
 #                                        # N = 1 trace (scripts/trace_seams.py; HD_AB_SEAM holds
@@ -161,7 +162,9 @@ engine-ab)
         tag=$(echo "$value" | tr -c 'A-Za-z0-9_.\n-' _)  # returned names: no odd characters
         [ -n "$tag" ] || tag=empty
         rm -rf "$ab-$tag"
-        env "$var=$value" timeout "${HD_AB_ENGINE_S:-290}" python3 scripts/bench_decode.py \
+        # 560 s: the first engine on a fresh host autotunes the KDA prefill kernels; on
+        # 2026-12-03 a 290 s limit cut it, and the next engine (cache partly filled) took 279 s.
+        env "$var=$value" timeout "${HD_AB_ENGINE_S:-560}" python3 scripts/bench_decode.py \
             --out-dir "$ab-out-$tag" --scratch "$ab-$tag" --runs 1 \
             --n "${HD_AB_N:-1,2}" --roles latency_specialized --triton-cache "$TRITON" \
             --keep-traces "$ab-traces-$tag" > "$ab-$tag.log" 2>&1
