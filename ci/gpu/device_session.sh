@@ -36,6 +36,11 @@
 #                                        # autotuning results) into $OUT in <= 15 MiB pieces;
 #                                        # put them in .gpu-cache/ and carry it: a fresh host
 #                                        # unpacks them first
+#   sh ci/gpu/device_session.sh save-autotune        # only Triton's autotuning results
+#                                        # (*.autotune.json, a few KB) into
+#                                        # $OUT/triton-autotune-h200.tgz: commit it as
+#                                        # ci/gpu/triton-autotune-h200.tgz and every fresh
+#                                        # host starts with them (run it after an engine ran)
 #   sh ci/gpu/device_session.sh upstream-gpu PATH...  # part of upstream's GPU allow-list
 #                                        # (ci/upstream_tests.yaml); carry build/upstream-tests
 #                                        # and .gpu-bundle/upstream-tests (its test packages:
@@ -50,7 +55,8 @@ set -u
 RUNS="${HD_BENCH_RUNS:-1}"
 E2E=/tmp/hd-integ
 SCRATCH=/tmp/hd-bench
-TRITON=/tmp/hd-triton
+TRITON="${HD_TRITON_DIR:-/tmp/hd-triton}"
+AUTOTUNE_ARCHIVE=triton-autotune-h200.tgz
 # Autotuning results go into the Triton cache too: a fresh host given it (.gpu-cache/, from
 # save-caches) skips the KDA prefill autotuning at the first prefill (2026-12-01: engine start
 # ~200 -> ~80 s for the specialized engine, ~30 s for stock). CuTe DSL 4.6.0 kept no file
@@ -58,6 +64,14 @@ TRITON=/tmp/hd-triton
 export TRITON_CACHE_AUTOTUNING=1
 if ls .gpu-cache/caches.tgz.* > /dev/null 2>&1 && [ ! -d "$TRITON" ]; then
     cat .gpu-cache/caches.tgz.* | tar xzf - -C / && echo "caches: unpacked .gpu-cache"
+fi
+# Without a whole cache, the committed autotuning results alone: the first prefill then
+# compiles only the chosen configs instead of timing every one (on 2026-12-03 a cold host's
+# first engine took 499 s, the next one 150 s). Results of another Triton or kernel source
+# have other keys and are never looked up.
+if [ -f "ci/gpu/$AUTOTUNE_ARCHIVE" ] && [ ! -d "$TRITON" ]; then
+    mkdir -p "$TRITON" && tar xzf "ci/gpu/$AUTOTUNE_ARCHIVE" -C "$TRITON" \
+        && echo "autotune: $(find "$TRITON" -name '*.autotune.json' | wc -l) results unpacked"
 fi
 
 bench_role() {
@@ -185,6 +199,16 @@ save-caches)
     split -b 15m -d /tmp/hd-caches.tgz "$OUT/caches.tgz."
     du -sh "$TRITON" /tmp/hd-caches.tgz
     ;;
+save-autotune)
+    found=$( (cd "$TRITON" 2>/dev/null && find . -name '*.autotune.json') | sort)
+    [ -n "$found" ] || { echo "save-autotune: no autotuning results in $TRITON" >&2; exit 1; }
+    # shellcheck disable=SC2086
+    (cd "$TRITON" && tar czf "$OUT/$AUTOTUNE_ARCHIVE" $found)
+    size=$(wc -c < "$OUT/$AUTOTUNE_ARCHIVE")
+    echo "save-autotune: $(echo "$found" | wc -l) results, $size bytes in \$OUT/$AUTOTUNE_ARCHIVE"
+    # It travels with every device call (64 MiB with a 60 MiB bundle part).
+    [ "$size" -le 1048576 ] || echo "save-autotune: over 1 MiB, too big to commit" >&2
+    ;;
 upstream-gpu)
     shift
     if [ -f .gpu-bundle/upstream-tests/install.sh ]; then
@@ -208,7 +232,7 @@ upstream-gpu)
     done
     ;;
 *)
-    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|bench-context ROLE|host-loop|kernel-round [TEST...]|engine-ab VAR VALUE...|save-caches|upstream-gpu" >&2
+    echo "usage: sh ci/gpu/device_session.sh e2e|bench-stock|bench-specialized|bench-context ROLE|host-loop|kernel-round [TEST...]|engine-ab VAR VALUE...|save-caches|save-autotune|upstream-gpu" >&2
     exit 2
     ;;
 esac

@@ -84,3 +84,45 @@ def test_engine_ab_runs_the_engine_once_per_value_and_returns_its_numbers(tmp_pa
         cwd=tree, env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert missing.returncode == 2 and "no value given for HD_SWITCH" in missing.stderr
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs tar")
+def test_autotuning_results_are_saved_alone_and_unpacked_on_a_fresh_host(tmp_path):
+    """save-autotune archives only the *.autotune.json files of the Triton cache; a
+    host without a cache starts from the committed archive, one with a cache keeps it."""
+    import tarfile
+
+    tree = tmp_path / "tree"
+    (tree / "ci" / "gpu").mkdir(parents=True)
+    shutil.copy(ROOT / "ci/gpu/device_session.sh", tree / "ci/gpu")
+    triton = tmp_path / "triton"
+    (triton / "a1").mkdir(parents=True)
+    (triton / "a1" / "chunk_kda.autotune.json").write_text('{"configs_timings": []}')
+    (triton / "a1" / "chunk_kda.cubin").write_bytes(b"\0" * 4096)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, OUT=str(out), HD_TRITON_DIR=str(triton))
+
+    def session(*args, **extra):
+        return subprocess.run(
+            ["sh", "ci/gpu/device_session.sh", *args],
+            cwd=tree, env=dict(env, **extra), capture_output=True, text=True,
+        )  # fmt: skip
+
+    done = session("save-autotune")
+    assert done.returncode == 0, done.stderr
+    assert "save-autotune: 1 results" in done.stdout
+    archive = out / "triton-autotune-h200.tgz"
+    with tarfile.open(archive) as saved:
+        assert saved.getnames() == ["./a1/chunk_kda.autotune.json"]
+
+    shutil.copy(archive, tree / "ci/gpu")
+    fresh = tmp_path / "fresh"
+    done = session("save-autotune", HD_TRITON_DIR=str(fresh))
+    assert "autotune: 1 results unpacked" in done.stdout
+    assert (fresh / "a1" / "chunk_kda.autotune.json").is_file()
+
+    (triton / "a1" / "chunk_kda.autotune.json").unlink()
+    done = session("save-autotune")
+    assert "unpacked" not in done.stdout
+    assert done.returncode == 1 and "no autotuning results" in done.stderr
