@@ -77,6 +77,13 @@ class MoeConfig:
 
     warps: int = WARPS_PER_CTA
     max_slot_lanes: int = MAX_SLOT_LANES
+    # The down launch's warps when they differ from gate_up's (None: ``warps``):
+    # its K of 1024 is 4 steps per warp at 8 warps, 8 at 4.
+    down_warps: int | None = None
+
+    @property
+    def down_stage_warps(self) -> int:
+        return self.warps if self.down_warps is None else self.down_warps
 
 
 @dataclass(frozen=True)
@@ -326,7 +333,7 @@ class PreparedMoe:
     def _kernels(self, bucket: int) -> tuple:
         s = self.shape
         lanes = slot_lanes_for(bucket, s, self.config.max_slot_lanes)
-        warps = self.config.warps
+        gate_up_warps, down_warps = self.config.warps, self.config.down_stage_warps
         fused = self.gamma is not None
         return (
             MoeRouterKernel(
@@ -337,11 +344,11 @@ class PreparedMoe:
             ),
             MoeExpertKernel(
                 STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
-                lanes, warps, self.use_pdl, self._expert_l2_policy(bucket),
+                lanes, gate_up_warps, self.use_pdl, self._expert_l2_policy(bucket),
             ),
             MoeExpertKernel(
                 STAGE_DOWN, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
-                lanes, warps, self.use_pdl, self._expert_l2_policy(bucket),
+                lanes, down_warps, self.use_pdl, self._expert_l2_policy(bucket),
             ),
             MoeCombineKernel(
                 s.hidden, s.num_experts, s.top_k, bucket, fused, self.eps,

@@ -37,6 +37,7 @@ from moe_reference import moe_reference, router_logits, select_experts  # noqa: 
 from kernels.moe.prepared import (  # noqa: E402
     M_BUCKETS,
     ROUTER_CLUSTER_MAX_BUCKET,
+    MoeConfig,
     PreparedMoe,
 )
 
@@ -473,6 +474,28 @@ def test_expert_weight_l2_policy_is_bit_identical(experts, regime, policy):
             }
         for what, want in results[None].items():
             _bits_equal(results[policy][what], want, f"{regime} {policy} M={m} {what}")
+
+
+@pytest.mark.parametrize("down_warps", [None, 4], ids=["down_8", "down_4"])
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+def test_expert_ctas_of_8_warps(experts, m, down_warps):
+    """``MoeConfig(warps=8)`` (each warp a K slice of 9 steps for gate_up, 4 for
+    down), with down at 8 warps or 4 (the executor's default): the routing and
+    the output against the fp32 reference."""
+    x, gate, bias = _routing_case("random", m, seed=1800 + m)
+    config = MoeConfig(warps=8, down_warps=down_warps)
+    moe = PreparedMoe(
+        gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+        experts["shared_down"], TOP_K, SCALE, eps=EPS, config=config,
+    )  # fmt: skip
+    assert (config.warps, config.down_stage_warps) == (8, down_warps or 8)
+    out = torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+    moe.run(x, out)
+    torch.cuda.synchronize()
+    ids, weights = _check_routing(moe, x, gate, bias, m)
+    w = experts
+    ref = moe_reference(x, ids, weights, w["w13"], w["w2"], w["shared_gate_up"], w["shared_down"])
+    _assert_close(out, ref, "moe output (8-warp experts)")
 
 
 def test_input_norm_bad_arguments(experts):

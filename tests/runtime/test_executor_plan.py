@@ -988,12 +988,20 @@ def test_the_expert_l2_policy_switch(environ, policy):
     assert decode.expert_l2_policy_from_env(environ) == policy
 
 
-def test_the_kernel_factory_hands_the_expert_l2_policy_to_the_moe(monkeypatch):
+@pytest.fixture
+def moe_prepared(monkeypatch):
+    """The MoE's ``prepared`` module with ``PreparedMoe`` returning the keyword
+    arguments the kernel factory gives it."""
     prepared = pytest.importorskip(
         "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.moe.prepared",
         reason="CuTe DSL is not installed",
     )
     monkeypatch.setattr(prepared, "PreparedMoe", lambda **kwargs: kwargs)
+    return prepared
+
+
+@pytest.mark.usefixtures("moe_prepared")
+def test_the_kernel_factory_hands_the_expert_l2_policy_to_the_moe(monkeypatch):
     monkeypatch.delenv("VLLM_HD_EXPERT_L2_POLICY", raising=False)
     kwargs = decode.KernelFactory(clusters=True).moe(top_k=8)
     assert kwargs["expert_weight_l2_policy"] == "evict_first"
@@ -1001,6 +1009,42 @@ def test_the_kernel_factory_hands_the_expert_l2_policy_to_the_moe(monkeypatch):
     monkeypatch.setenv("VLLM_HD_EXPERT_L2_POLICY", "none")
     kwargs = decode.KernelFactory(clusters=True).moe(top_k=8)
     assert kwargs["expert_weight_l2_policy"] is None
+
+
+@pytest.mark.parametrize(
+    ("environ", "warps"),
+    [
+        ({}, (8, 4)),
+        ({"VLLM_HD_MOE_EXPERT_WARPS": ""}, (8, 4)),
+        ({"VLLM_HD_MOE_EXPERT_WARPS": "4"}, (4, 4)),
+        ({"VLLM_HD_MOE_EXPERT_WARPS": "8"}, (8, 8)),
+        ({"VLLM_HD_MOE_EXPERT_WARPS": "4,8"}, (4, 8)),
+    ],
+)
+def test_the_moe_expert_warps_switch(environ, warps):
+    """Unset: gate_up in 8-warp CTAs, down in 4; the switch gives both launches
+    one count or each its own."""
+    assert decode.moe_expert_warps_from_env(environ) == warps
+
+
+@pytest.mark.parametrize("value", ["6", "8,6", "8,4,4", "8,", " 8", "eight"])
+def test_other_moe_expert_warps_fail_at_start_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VLLM_HD_MOE_EXPERT_WARPS", value)
+    with pytest.raises(ValueError, match=f"VLLM_HD_MOE_EXPERT_WARPS={value!r}"):
+        decode.KernelFactory()
+
+
+def test_the_kernel_factory_hands_the_expert_warps_to_the_moe(monkeypatch, moe_prepared):
+    monkeypatch.delenv("VLLM_HD_MOE_EXPERT_WARPS", raising=False)
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert (config.warps, config.down_stage_warps) == (8, 4)
+    monkeypatch.setenv("VLLM_HD_MOE_EXPERT_WARPS", "4")
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert config == moe_prepared.MoeConfig(warps=4, down_warps=4)
+    assert (config.warps, config.down_stage_warps) == (4, 4)
+    explicit = decode.KernelFactory(clusters=True, moe_expert_warps=(4, 8))
+    config = explicit.moe(top_k=8)["config"]
+    assert (config.warps, config.down_stage_warps) == (4, 8)
 
 
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):

@@ -134,6 +134,36 @@ def expert_l2_policy_from_env(
     return (value, None)
 
 
+# Warps per CTA of the MoE expert launches, (gate_up, down). An 8-warp gate_up
+# CTA loads 8 of each warp's 9 K-steps in its first batch, before its PDL wait:
+# 1.2-2.0 / 3.8-4.0 us less per layer at M = 1 / 2 than 4 + 4 in the kernel probe
+# (scripts/probe_moe_seams.py); 8-warp down CTAs (4 K-steps a warp) made the
+# engine slower (docs/perf/moe_notes.md, 2026-12-03).
+DEFAULT_MOE_EXPERT_WARPS = (8, 4)
+# Overrides it for A/Bs: "W" (both launches) or "GATE_UP,DOWN", each in
+# MOE_EXPERT_WARPS; "4" is the CTAs of hd.14 and before.
+MOE_EXPERT_WARPS_ENV = "VLLM_HD_MOE_EXPERT_WARPS"
+MOE_EXPERT_WARPS = (4, 8)
+
+
+def moe_expert_warps_from_env(
+    environ: dict[str, str] | None = None,
+) -> tuple[int, int]:
+    """(gate_up, down) warps of the MoE expert CTAs as ``MOE_EXPERT_WARPS_ENV``
+    asks (``DEFAULT_MOE_EXPERT_WARPS`` if unset or empty); raises, naming the
+    variable, on another value."""
+    value = (os.environ if environ is None else environ).get(MOE_EXPERT_WARPS_ENV)
+    if not value:
+        return DEFAULT_MOE_EXPERT_WARPS
+    parts = value.split(",")
+    if len(parts) > 2 or not set(parts) <= {str(w) for w in MOE_EXPERT_WARPS}:
+        raise ValueError(
+            f"{MOE_EXPERT_WARPS_ENV}={value!r}: expected W or GATE_UP,DOWN, each one "
+            f"of {', '.join(map(str, MOE_EXPERT_WARPS))} (or unset)"
+        )
+    return (int(parts[0]), int(parts[-1]))
+
+
 # --------------------------------------------------------------------- kernels
 class KernelFactory:
     """Builds the prepared kernels and the stock ops a step uses.
@@ -144,18 +174,30 @@ class KernelFactory:
     logits through thread-block clusters (default: unless an MPS active-thread
     limit is set, ``clusters_allowed``). ``expert_l2_policy``: the MoE experts'
     weight L2 policy and the largest M-bucket that takes it (default:
-    ``expert_l2_policy_from_env``).
+    ``expert_l2_policy_from_env``). ``moe_expert_warps``: the warps of the MoE's
+    gate_up and down CTAs (default: ``moe_expert_warps_from_env``).
     """
 
     def __init__(
         self,
         clusters: bool | None = None,
         expert_l2_policy: tuple[str | None, int | None] | None = None,
+        moe_expert_warps: tuple[int, int] | None = None,
     ) -> None:
         self.clusters = clusters_allowed() if clusters is None else clusters
         if expert_l2_policy is None:
             expert_l2_policy = expert_l2_policy_from_env()
         self.expert_l2_policy = expert_l2_policy
+        if moe_expert_warps is None:
+            moe_expert_warps = moe_expert_warps_from_env()
+        self.moe_expert_warps = moe_expert_warps
+        logger.info(
+            "Kimi-Linear specialized decode: MoE expert CTAs of %d (gate_up) and %d "
+            "(down) warps (%s=%r)",
+            *self.moe_expert_warps,
+            MOE_EXPERT_WARPS_ENV,
+            os.environ.get(MOE_EXPERT_WARPS_ENV, ""),
+        )
         policy, max_bucket = self.expert_l2_policy
         where = "every M-bucket" if max_bucket is None else f"M-buckets <= {max_bucket}"
         logger.info(
@@ -228,10 +270,12 @@ class KernelFactory:
         )
 
     def moe(self, **kwargs: Any) -> Any:
-        from ..cutedsl.moe.prepared import PreparedMoe
+        from ..cutedsl.moe.prepared import MoeConfig, PreparedMoe
 
+        gate_up_warps, down_warps = self.moe_expert_warps
         return PreparedMoe(
             **kwargs,
+            config=MoeConfig(warps=gate_up_warps, down_warps=down_warps),
             router_cluster=self.clusters,
             expert_weight_l2_policy=self.expert_l2_policy[0],
             expert_weight_l2_policy_max_bucket=self.expert_l2_policy[1],
