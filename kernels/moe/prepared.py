@@ -80,10 +80,20 @@ class MoeConfig:
     # The down launch's warps when they differ from gate_up's (None: ``warps``):
     # its K of 1024 is 4 steps per warp at 8 warps, 8 at 4.
     down_warps: int | None = None
+    # The largest M-bucket whose expert launches take ``warps`` and
+    # ``down_warps`` (None: every bucket); larger buckets take WARPS_PER_CTA
+    # for both.
+    warps_max_bucket: int | None = None
 
     @property
     def down_stage_warps(self) -> int:
         return self.warps if self.down_warps is None else self.down_warps
+
+    def expert_warps(self, bucket: int) -> tuple[int, int]:
+        """(gate_up, down) warps per CTA of M-bucket ``bucket``'s launches."""
+        if self.warps_max_bucket is not None and bucket > self.warps_max_bucket:
+            return (WARPS_PER_CTA, WARPS_PER_CTA)
+        return (self.warps, self.down_stage_warps)
 
 
 @dataclass(frozen=True)
@@ -333,7 +343,7 @@ class PreparedMoe:
     def _kernels(self, bucket: int) -> tuple:
         s = self.shape
         lanes = slot_lanes_for(bucket, s, self.config.max_slot_lanes)
-        gate_up_warps, down_warps = self.config.warps, self.config.down_stage_warps
+        gate_up_warps, down_warps = self.config.expert_warps(bucket)
         fused = self.gamma is not None
         return (
             MoeRouterKernel(

@@ -498,6 +498,31 @@ def test_expert_ctas_of_8_warps(experts, m, down_warps):
     _assert_close(out, ref, "moe output (8-warp experts)")
 
 
+def test_expert_warps_up_to_one_m_bucket(experts):
+    """``MoeConfig(warps=8, down_warps=4, warps_max_bucket=1)`` (the executor's
+    default): M-bucket 1 launches 8 + 4 warps, bucket 2 the default 4 + 4, and
+    one prepared block is right at both."""
+    config = MoeConfig(warps=8, down_warps=4, warps_max_bucket=1)
+    x, gate, bias = _routing_case("random", 2, seed=1850)
+    moe = PreparedMoe(
+        gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+        experts["shared_down"], TOP_K, SCALE, eps=EPS, config=config,
+    )  # fmt: skip
+    for bucket, warps in ((1, (8, 4)), (2, (4, 4))):
+        _, gate_up, down, _ = moe._kernels(bucket)
+        assert (gate_up.warps, down.warps) == warps, bucket
+    w = experts
+    for m in (1, 2):
+        out = torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+        moe.run(x[:m], out)
+        torch.cuda.synchronize()
+        ids, weights = _check_routing(moe, x[:m], gate, bias, m)
+        ref = moe_reference(
+            x[:m], ids, weights, w["w13"], w["w2"], w["shared_gate_up"], w["shared_down"]
+        )
+        _assert_close(out, ref, f"moe output (8 + 4 warps up to bucket 1), M={m}")
+
+
 def test_input_norm_bad_arguments(experts):
     _, gate, bias = _routing_case("random", 1, seed=1)
     with pytest.raises(ValueError, match="needs rmsnorm_weight"):

@@ -1014,20 +1014,26 @@ def test_the_kernel_factory_hands_the_expert_l2_policy_to_the_moe(monkeypatch):
 @pytest.mark.parametrize(
     ("environ", "warps"),
     [
-        ({}, (8, 4)),
-        ({"VLLM_HD_MOE_EXPERT_WARPS": ""}, (8, 4)),
-        ({"VLLM_HD_MOE_EXPERT_WARPS": "4"}, (4, 4)),
-        ({"VLLM_HD_MOE_EXPERT_WARPS": "8"}, (8, 8)),
-        ({"VLLM_HD_MOE_EXPERT_WARPS": "4,8"}, (4, 8)),
+        ({}, (8, 4, 1)),
+        ({"VLLM_HD_MOE_EXPERT_WARPS": ""}, (8, 4, 1)),
+        ({"VLLM_HD_MOE_EXPERT_WARPS": "4"}, (4, 4, None)),
+        ({"VLLM_HD_MOE_EXPERT_WARPS": "8"}, (8, 8, None)),
+        ({"VLLM_HD_MOE_EXPERT_WARPS": "4,8"}, (4, 8, None)),
+        ({"VLLM_HD_MOE_EXPERT_WARPS": "8,4@1"}, (8, 4, 1)),
+        ({"VLLM_HD_MOE_EXPERT_WARPS": "8@16"}, (8, 8, 16)),
     ],
 )
 def test_the_moe_expert_warps_switch(environ, warps):
-    """Unset: gate_up in 8-warp CTAs, down in 4; the switch gives both launches
-    one count or each its own."""
+    """Unset: gate_up in 8-warp CTAs, down in 4, at M-bucket 1; the switch
+    gives both launches one count or each its own, at every bucket or up to
+    the one after ``@``."""
     assert decode.moe_expert_warps_from_env(environ) == warps
 
 
-@pytest.mark.parametrize("value", ["6", "8,6", "8,4,4", "8,", " 8", "eight"])
+@pytest.mark.parametrize(
+    "value",
+    ["6", "8,6", "8,4,4", "8,", " 8", "eight", "8@", "8,4@0", "8@x", "8@\u00b2", "@1", "8@1@2"],
+)
 def test_other_moe_expert_warps_fail_at_start_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("VLLM_HD_MOE_EXPERT_WARPS", value)
     with pytest.raises(ValueError, match=f"VLLM_HD_MOE_EXPERT_WARPS={value!r}"):
@@ -1037,14 +1043,16 @@ def test_other_moe_expert_warps_fail_at_start_naming_the_variable(monkeypatch, v
 def test_the_kernel_factory_hands_the_expert_warps_to_the_moe(monkeypatch, moe_prepared):
     monkeypatch.delenv("VLLM_HD_MOE_EXPERT_WARPS", raising=False)
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
-    assert (config.warps, config.down_stage_warps) == (8, 4)
+    assert config == moe_prepared.MoeConfig(warps=8, down_warps=4, warps_max_bucket=1)
+    assert config.expert_warps(1) == (8, 4)
+    assert [config.expert_warps(b) for b in (2, 4, 8, 16)] == [(4, 4)] * 4
     monkeypatch.setenv("VLLM_HD_MOE_EXPERT_WARPS", "4")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
     assert config == moe_prepared.MoeConfig(warps=4, down_warps=4)
-    assert (config.warps, config.down_stage_warps) == (4, 4)
-    explicit = decode.KernelFactory(clusters=True, moe_expert_warps=(4, 8))
+    assert {config.expert_warps(b) for b in moe_prepared.M_BUCKETS} == {(4, 4)}
+    explicit = decode.KernelFactory(clusters=True, moe_expert_warps=(4, 8, 2))
     config = explicit.moe(top_k=8)["config"]
-    assert (config.warps, config.down_stage_warps) == (4, 8)
+    assert [config.expert_warps(b) for b in (1, 2, 4)] == [(4, 8), (4, 8), (4, 4)]
 
 
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):

@@ -40,6 +40,7 @@ applied), the tensor ``compute_logits`` consumes.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,34 +135,44 @@ def expert_l2_policy_from_env(
     return (value, None)
 
 
-# Warps per CTA of the MoE expert launches, (gate_up, down). An 8-warp gate_up
-# CTA loads 8 of each warp's 9 K-steps in its first batch, before its PDL wait:
-# 1.2-2.0 / 3.8-4.0 us less per layer at M = 1 / 2 than 4 + 4 in the kernel probe
-# (scripts/probe_moe_seams.py); 8-warp down CTAs (4 K-steps a warp) made the
-# engine slower (docs/perf/moe_notes.md, 2026-12-03).
-DEFAULT_MOE_EXPERT_WARPS = (8, 4)
+# Warps per CTA of the MoE expert launches, (gate_up, down), and the largest
+# M-bucket that takes them (None: every bucket; larger buckets keep 4 + 4). An
+# 8-warp gate_up CTA loads 8 of each warp's 9 K-steps in its first batch, before
+# its PDL wait. One-host engine A/B against 4 + 4 (docs/perf/decode_notes.md,
+# 2026-12-04): 21 us less GPU busy per N = 1 step, but N = 2 / 4 / 8 steps 18 /
+# 46 / 43 us slower, so only M-bucket 1 takes it. 8-warp down CTAs (4 K-steps a
+# warp) made the engine slower (docs/perf/moe_notes.md, 2026-12-03).
+DEFAULT_MOE_EXPERT_WARPS: tuple[int, int, int | None] = (8, 4, 1)
 # Overrides it for A/Bs: "W" (both launches) or "GATE_UP,DOWN", each in
-# MOE_EXPERT_WARPS; "4" is the CTAs of hd.14 and before.
+# MOE_EXPERT_WARPS, at every M-bucket, or up to bucket B with a suffix "@B";
+# "4" is the CTAs of hd.14 and before.
 MOE_EXPERT_WARPS_ENV = "VLLM_HD_MOE_EXPERT_WARPS"
 MOE_EXPERT_WARPS = (4, 8)
 
 
 def moe_expert_warps_from_env(
     environ: dict[str, str] | None = None,
-) -> tuple[int, int]:
-    """(gate_up, down) warps of the MoE expert CTAs as ``MOE_EXPERT_WARPS_ENV``
-    asks (``DEFAULT_MOE_EXPERT_WARPS`` if unset or empty); raises, naming the
-    variable, on another value."""
+) -> tuple[int, int, int | None]:
+    """(gate_up warps, down warps, largest M-bucket that takes them) of the MoE
+    expert CTAs as ``MOE_EXPERT_WARPS_ENV`` asks (``DEFAULT_MOE_EXPERT_WARPS``
+    if unset or empty); raises, naming the variable, on another value."""
     value = (os.environ if environ is None else environ).get(MOE_EXPERT_WARPS_ENV)
     if not value:
         return DEFAULT_MOE_EXPERT_WARPS
-    parts = value.split(",")
-    if len(parts) > 2 or not set(parts) <= {str(w) for w in MOE_EXPERT_WARPS}:
+    warps, at, max_bucket = value.partition("@")
+    parts = warps.split(",")
+    bucket_ok = not at or re.fullmatch(r"[1-9][0-9]*", max_bucket) is not None
+    if (
+        len(parts) > 2
+        or not set(parts) <= {str(w) for w in MOE_EXPERT_WARPS}
+        or not bucket_ok
+    ):
         raise ValueError(
             f"{MOE_EXPERT_WARPS_ENV}={value!r}: expected W or GATE_UP,DOWN, each one "
-            f"of {', '.join(map(str, MOE_EXPERT_WARPS))} (or unset)"
+            f"of {', '.join(map(str, MOE_EXPERT_WARPS))}, optionally followed by "
+            "@B, the largest M-bucket that takes them (or unset)"
         )
-    return (int(parts[0]), int(parts[-1]))
+    return (int(parts[0]), int(parts[-1]), int(max_bucket) if max_bucket else None)
 
 
 # --------------------------------------------------------------------- kernels
@@ -175,14 +186,15 @@ class KernelFactory:
     limit is set, ``clusters_allowed``). ``expert_l2_policy``: the MoE experts'
     weight L2 policy and the largest M-bucket that takes it (default:
     ``expert_l2_policy_from_env``). ``moe_expert_warps``: the warps of the MoE's
-    gate_up and down CTAs (default: ``moe_expert_warps_from_env``).
+    gate_up and down CTAs and the largest M-bucket that takes them (default:
+    ``moe_expert_warps_from_env``).
     """
 
     def __init__(
         self,
         clusters: bool | None = None,
         expert_l2_policy: tuple[str | None, int | None] | None = None,
-        moe_expert_warps: tuple[int, int] | None = None,
+        moe_expert_warps: tuple[int, int, int | None] | None = None,
     ) -> None:
         self.clusters = clusters_allowed() if clusters is None else clusters
         if expert_l2_policy is None:
@@ -191,10 +203,15 @@ class KernelFactory:
         if moe_expert_warps is None:
             moe_expert_warps = moe_expert_warps_from_env()
         self.moe_expert_warps = moe_expert_warps
+        gate_up_warps, down_warps, warps_max_bucket = self.moe_expert_warps
         logger.info(
             "Kimi-Linear specialized decode: MoE expert CTAs of %d (gate_up) and %d "
-            "(down) warps (%s=%r)",
-            *self.moe_expert_warps,
+            "(down) warps at %s (%s=%r)",
+            gate_up_warps,
+            down_warps,
+            "every M-bucket"
+            if warps_max_bucket is None
+            else f"M-buckets <= {warps_max_bucket} (the kernels' default above)",
             MOE_EXPERT_WARPS_ENV,
             os.environ.get(MOE_EXPERT_WARPS_ENV, ""),
         )
@@ -272,10 +289,14 @@ class KernelFactory:
     def moe(self, **kwargs: Any) -> Any:
         from ..cutedsl.moe.prepared import MoeConfig, PreparedMoe
 
-        gate_up_warps, down_warps = self.moe_expert_warps
+        gate_up_warps, down_warps, warps_max_bucket = self.moe_expert_warps
         return PreparedMoe(
             **kwargs,
-            config=MoeConfig(warps=gate_up_warps, down_warps=down_warps),
+            config=MoeConfig(
+                warps=gate_up_warps,
+                down_warps=down_warps,
+                warps_max_bucket=warps_max_bucket,
+            ),
             router_cluster=self.clusters,
             expert_weight_l2_policy=self.expert_l2_policy[0],
             expert_weight_l2_policy_max_bucket=self.expert_l2_policy[1],
