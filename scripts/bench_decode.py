@@ -944,7 +944,8 @@ def main() -> int:
         "--correctness",
         type=Path,
         help="the end-to-end tests' correctness.json (HD_INTEGRATION_DIR) to record in the "
-        "report; it must be of the same wheel",
+        "report; it must be of the same wheel (with --render-only: into --out-dir's "
+        "decode.json, for an e2e run after the pair)",
     )
     ap.add_argument(
         "--keep-traces",
@@ -975,6 +976,15 @@ def main() -> int:
         return _write_report(args, config, got, scratch)
     if args.render_only:
         data = json.loads((args.out_dir / "decode.json").read_text())
+        if args.correctness:
+            try:
+                attach_correctness(data, json.loads(args.correctness.read_text()))
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            (args.out_dir / "decode.json").write_text(json.dumps(data, indent=2) + "\n")
+            write_markdown(data, args.out_dir / "decode.md")
+            return 0
         write_markdown(data, args.out_dir / "decode.md")
         write_plot(data, args.out_dir / "decode.png")
         return 0

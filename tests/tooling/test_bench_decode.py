@@ -390,6 +390,23 @@ def test_correctness_record_goes_into_the_report_only_for_the_measured_wheel():
         bench.attach_correctness(data, dict(record, fingerprint="0ld"))
 
 
+def test_render_only_attaches_a_later_correctness_record_of_the_same_wheel(tmp_path, monkeypatch):
+    data = bench.assemble(CONFIG, _role_results(), "m")
+    (tmp_path / "decode.json").write_text(json.dumps(data))
+    record = tmp_path / "correctness.json"
+    record.write_text(json.dumps({"fingerprint": "0ld", "result": "10 passed"}))
+    argv = ["bench_decode.py", "--render-only", "--out-dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", [*argv, "--correctness", str(record)])
+    assert bench.main() == 2
+    assert "correctness" not in json.loads((tmp_path / "decode.json").read_text())
+    record.write_text(json.dumps({"fingerprint": "df91", "result": "10 passed"}))
+    assert bench.main() == 0
+    written = json.loads((tmp_path / "decode.json").read_text())
+    assert written["correctness"] == {"result": "10 passed"}
+    assert written["summary"] == data["summary"]
+    assert (tmp_path / "decode.md").is_file()
+
+
 def test_keep_trace_gzips_a_plain_trace_and_removes_the_original(tmp_path):
     import gzip
 
