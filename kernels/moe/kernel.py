@@ -155,6 +155,12 @@ def uses_cluster_logits(tiles: int, split_k: int, cluster_logits: bool) -> bool:
     return cluster_logits and split_k == 1 and 2 <= tiles <= MAX_CLUSTER_TILES
 
 
+def uses_warp_table(m_bucket: int, warp_table: bool) -> bool:
+    """Whether the router's top-k warp writes the routing table itself: only
+    where one token is routed, so that its top-k experts are the slots."""
+    return warp_table and m_bucket == 1
+
+
 def halves_for(m_bucket: int) -> int:
     return 1 if m_bucket <= TOKENS_PER_MMA else 2
 
@@ -191,6 +197,12 @@ class MoeRouterKernel:
     ``counter_ptr`` are then never touched (nothing but the router reads the
     logits: the global copy is written on the ticket path only).  Both paths
     give the same ids, scores, weights and table bit for bit.
+
+    ``warp_table`` (effective at M-bucket 1 only, see ``uses_warp_table``):
+    the one token's top-k warp writes the routing table itself, its k
+    distinct experts ranked by id in registers, instead of the CTA-wide pass
+    (expert masks, prefix sums, four barriers) that many tokens need.  The
+    same table bit for bit.
     """
 
     def __init__(
@@ -208,6 +220,7 @@ class MoeRouterKernel:
         input_norm: bool = False,
         input_eps: float = 1e-5,
         cluster_logits: bool = True,
+        warp_table: bool = False,
     ):
         if num_experts % (ROWS_PER_TILE * 2) or num_experts > 32 * WARP_THREADS:
             raise ValueError(
@@ -229,6 +242,7 @@ class MoeRouterKernel:
         self.cluster_logits = uses_cluster_logits(self.tiles, split_k, cluster_logits)
         # The whole grid is one cluster (tile t is rank t); None: no cluster.
         self.cluster_shape = [self.tiles, 1, 1] if self.cluster_logits else None
+        self.warp_table = uses_warp_table(m_bucket, warp_table)
         self.threads = warps * WARP_THREADS
         if num_experts % self.threads:
             raise ValueError(
@@ -674,9 +688,10 @@ class MoeRouterKernel:
         weights = cute.make_tensor(
             weight_ptr, cute.make_layout((MAX_TOKENS, top_k), stride=(top_k, 1))
         )
-        for i in cutlass.range_constexpr(per_thread):
-            expert_mask[tidx * per_thread + i] = Int32(0)
-        cute.arch.sync_threads()
+        if const_expr(not self.warp_table):
+            for i in cutlass.range_constexpr(per_thread):
+                expert_mask[tidx * per_thread + i] = Int32(0)
+            cute.arch.sync_threads()
 
         # ---- top-k, one warp per token: lane l holds experts l*P .. l*P+P-1
         # (P = E / 32), loaded as whole 16-byte vectors before any is used.
@@ -700,53 +715,118 @@ class MoeRouterKernel:
         first_id = lane * per_lane
         if const_expr(my_bias is None):
             my_bias = self._load_lane_bias(bias_ptr, lane)
-        for t in cutlass.range(warp, m, self.warps):
-            my_logits = cute.make_rmem_tensor((per_lane,), Float32)
-            cute.autovec_copy(lane_logits[t, lane, None], my_logits)
-            # Slot per_lane is the sentinel a lane shifts in once all its
-            # experts are taken: REMOVED_KEY (below every head that is left) and
-            # id E (above every real id, so it never wins a tie).
-            keys = cute.make_rmem_tensor((per_lane + 1,), Int32)
-            ids = cute.make_rmem_tensor((per_lane + 1,), Int32)
-            for j in cutlass.range_constexpr(per_lane):
-                s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-my_logits[j]))
-                scores[t, first_id + j] = s
-                keys[j] = _ordered_key(s + my_bias[j])
-                ids[j] = first_id + j
-            keys[per_lane] = Int32(REMOVED_KEY)
-            ids[per_lane] = Int32(e)
-            # A Python loop over the constant network: unrolled while tracing.
-            for a, b in self.sort_network:
-                _compare_exchange(keys, ids, a, b)
-            mine_id = Int32(0)
+        token_args = (
+            lane, lane_logits, my_bias, first_id, scores, weights, choice,
+            expert_mask, table,
+        )  # fmt: skip
+        if const_expr(self.warp_table):
+            # One token (M-bucket 1): warp 0 routes it, no loop.
+            if warp == 0:
+                self._route_token(Int32(0), *token_args)
+        else:
+            for t in cutlass.range(warp, m, self.warps):
+                self._route_token(t, *token_args)
+        if const_expr(not self.warp_table):
+            cute.arch.sync_threads()
+            self._store_table(
+                tidx, warp, lane, m, table, choice, expert_mask, expert_row0,
+                warp_totals,
+            )  # fmt: skip
+        if const_expr(not self.cluster_logits):  # noqa: SIM102
+            if tidx == 0:
+                # Re-arm the grid ticket for the next launch.
+                counters = cute.make_tensor(
+                    counter_ptr, cute.make_layout((self.tiles + 1,))
+                )
+                counters[self.tiles] = Int32(0)
+
+    @cute.jit
+    def _route_token(
+        self, t, lane, lane_logits, my_bias, first_id, scores, weights, choice,
+        expert_mask, table,
+    ):  # fmt: skip
+        """Top-k of token ``t`` by one warp, its weights, and its choices for
+        the table (``choice`` and ``expert_mask``, or with ``warp_table`` the
+        table itself)."""
+        e, top_k = self.num_experts, self.top_k
+        per_lane = e // WARP_THREADS
+        my_logits = cute.make_rmem_tensor((per_lane,), Float32)
+        cute.autovec_copy(lane_logits[t, lane, None], my_logits)
+        # Slot per_lane is the sentinel a lane shifts in once all its
+        # experts are taken: REMOVED_KEY (below every head that is left) and
+        # id E (above every real id, so it never wins a tie).
+        keys = cute.make_rmem_tensor((per_lane + 1,), Int32)
+        ids = cute.make_rmem_tensor((per_lane + 1,), Int32)
+        for j in cutlass.range_constexpr(per_lane):
+            s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-my_logits[j]))
+            scores[t, first_id + j] = s
+            keys[j] = _ordered_key(s + my_bias[j])
+            ids[j] = first_id + j
+        keys[per_lane] = Int32(REMOVED_KEY)
+        ids[per_lane] = Int32(e)
+        # A Python loop over the constant network: unrolled while tracing.
+        for a, b in self.sort_network:
+            _compare_exchange(keys, ids, a, b)
+        mine_id = Int32(0)
+        for r in cutlass.range_constexpr(top_k):
+            best = cute.arch.warp_redux_sync(keys[0], "max")
+            candidate = _pick(keys[0] == best, ids[0], Int32(e))
+            winner = cute.arch.warp_redux_sync(candidate, "min")
+            mine_id = _pick(lane == r, winner, mine_id)
+            # The winner's lane shifts; only the slots that can still become
+            # a head in the rounds left are kept current.
+            won = ids[0] == winner
+            for j in cutlass.range_constexpr(min(per_lane, top_k - 1 - r)):
+                keys[j] = _pick(won, keys[j + 1], keys[j])
+                ids[j] = _pick(won, ids[j + 1], ids[j])
+        cute.arch.sync_warp()
+        mine_score = scores[t, mine_id]
+        denom = Float32(1.0)
+        if const_expr(self.renormalize):
+            # Same fixed order in every lane: reproducible.
+            total = Float32(RENORM_EPS)
             for r in cutlass.range_constexpr(top_k):
-                best = cute.arch.warp_redux_sync(keys[0], "max")
-                candidate = _pick(keys[0] == best, ids[0], Int32(e))
-                winner = cute.arch.warp_redux_sync(candidate, "min")
-                mine_id = _pick(lane == r, winner, mine_id)
-                # The winner's lane shifts; only the slots that can still become
-                # a head in the rounds left are kept current.
-                won = ids[0] == winner
-                for j in cutlass.range_constexpr(min(per_lane, top_k - 1 - r)):
-                    keys[j] = _pick(won, keys[j + 1], keys[j])
-                    ids[j] = _pick(won, ids[j + 1], ids[j])
-            cute.arch.sync_warp()
-            mine_score = scores[t, mine_id]
-            denom = Float32(1.0)
-            if const_expr(self.renormalize):
-                # Same fixed order in every lane: reproducible.
-                total = Float32(RENORM_EPS)
-                for r in cutlass.range_constexpr(top_k):
-                    total = total + cute.arch.shuffle_sync(mine_score, r)
-                denom = total
-            if lane < top_k:
-                weights[t, lane] = mine_score / denom * Float32(self.scale)
+                total = total + cute.arch.shuffle_sync(mine_score, r)
+            denom = total
+        if lane < top_k:
+            weights[t, lane] = mine_score / denom * Float32(self.scale)
+            if const_expr(not self.warp_table):
                 choice[t, lane] = mine_id
                 cute.arch.atomic_or(
                     expert_mask.iterator + mine_id, Int32(1) << t, scope="cta"
                 )
-        cute.arch.sync_threads()
+        if const_expr(self.warp_table):
+            self._store_one_token_table(lane, mine_id, table)
 
+    @cute.jit
+    def _store_one_token_table(self, lane, mine_id, table):
+        """The table of the one token (``warp_table``: token 0, so routed rows
+        start at 1), by its top-k warp: lane ``r`` < k holds the r-th choice
+        ``mine_id``; its slot is its id's rank among the k (distinct) choices,
+        as the CTA-wide pass orders slots by id."""
+        tab, top_k = self.table, self.top_k
+        rank = Int32(0)
+        for j in cutlass.range_constexpr(top_k):
+            other = cute.arch.shuffle_sync(mine_id, j)
+            rank = rank + _pick(other < mine_id, Int32(1), Int32(0))
+        if lane < top_k:
+            table[tab.expert + rank] = mine_id
+            table[tab.ntok + rank] = Int32(1)
+            table[tab.row0 + rank] = rank + 1
+            table[tab.tokens + rank * MAX_TOKENS] = Int32(0)
+            table[tab.route_row + lane] = rank + 1
+        if lane == 0:
+            table[tab.count] = Int32(top_k)
+
+    @cute.jit
+    def _store_table(
+        self, tidx, warp, lane, m, table, choice, expert_mask, expert_row0,
+        warp_totals,
+    ):  # fmt: skip
+        """The CTA-wide table pass, once every token's choices are in
+        ``choice`` and ``expert_mask``."""
+        tab, top_k = self.table, self.top_k
+        per_thread = self.num_experts // self.threads
         # ---- distinct experts -> slots (ascending id), rows, token lists
         masks = cute.make_rmem_tensor((per_thread,), Int32)
         counts = cute.make_rmem_tensor((per_thread,), Int32)
@@ -802,13 +882,6 @@ class MoeRouterKernel:
             ex = choice[t, p % top_k]
             below = expert_mask[ex] & ((Int32(1) << t) - 1)
             table[tab.route_row + p] = expert_row0[ex] + cute.arch.popc(below)
-        if const_expr(not self.cluster_logits):  # noqa: SIM102
-            if tidx == 0:
-                # Re-arm the grid ticket for the next launch.
-                counters = cute.make_tensor(
-                    counter_ptr, cute.make_layout((self.tiles + 1,))
-                )
-                counters[self.tiles] = Int32(0)
 
 
 class MoeExpertKernel:

@@ -84,6 +84,9 @@ class MoeConfig:
     # ``down_warps`` (None: every bucket); larger buckets take WARPS_PER_CTA
     # for both.
     warps_max_bucket: int | None = None
+    # At M-bucket 1, the router's top-k warp writes the routing table itself
+    # (``MoeRouterKernel(warp_table=)``); False: the CTA-wide table pass.
+    router_warp_table: bool = False
 
     @property
     def down_stage_warps(self) -> int:
@@ -350,7 +353,7 @@ class PreparedMoe:
                 s.hidden, s.num_experts, s.top_k, bucket, self.split_k,
                 ROUTER_WARPS, self.router_steps, self.scale, self.renormalize,
                 self.use_pdl, self.input_gamma is not None, self.input_eps,
-                self._router_cluster_bucket(bucket),
+                self._router_cluster_bucket(bucket), self.config.router_warp_table,
             ),
             MoeExpertKernel(
                 STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,

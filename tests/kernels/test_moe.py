@@ -445,6 +445,55 @@ def test_router_paths_are_bit_identical(experts, m, regime, input_norm):
             _bits_equal(cluster[what], ticket[what], f"{regime} M={m} {what}")
 
 
+@pytest.mark.parametrize("input_norm", [False, True], ids=["plain", "input_norm"])
+@ROUTER_PATHS
+@pytest.mark.parametrize("regime", ["dummy", "balanced", "random", "ties", "bias_ties"])
+def test_router_warp_table_is_bit_identical(experts, regime, router_cluster, input_norm):
+    """``MoeConfig(router_warp_table=True)``: at M = 1 the top-k warp writes the
+    routing table (its k experts ranked by id in registers) instead of the
+    CTA-wide pass: the same whole table, route weights, normalised x and
+    outputs bit for bit, run after run on one prepared block (three tokens in
+    turn: every run rewrites what the next reads).  M-bucket 2 keeps the CTA
+    pass."""
+    _, gate, bias = _routing_case(regime, 1, seed=2000)
+    g = torch.Generator(device="cuda").manual_seed(2050)
+    rows = [torch.randn(1, HIDDEN, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    blocks = {}
+    for warp_table in (False, True):
+        config = MoeConfig(router_warp_table=warp_table)
+        blocks[warp_table] = PreparedMoe(
+            gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+            experts["shared_down"], TOP_K, SCALE, rmsnorm_weight=experts["gamma"], eps=EPS,
+            input_norm_weight=experts["input_gamma"] if input_norm else None, input_eps=EPS,
+            router_cluster=router_cluster, router_cluster_max_bucket=ALL_BUCKETS, config=config,
+        )  # fmt: skip
+    assert blocks[True]._kernels(1)[0].warp_table and not blocks[True]._kernels(2)[0].warp_table
+    assert not blocks[False]._kernels(1)[0].warp_table
+    for n, row in enumerate(rows):
+        results = {}
+        for warp_table, moe in blocks.items():
+            residual = row
+            x = torch.full_like(row, float("nan")) if input_norm else row.clone()
+            if input_norm:
+                moe.input_sums[:1] = residual.float().pow(2).sum(dim=-1)
+            out = torch.full_like(row, float("nan"))
+            residual_out = torch.full_like(row, float("nan"))
+            moe.run(x, out, residual, residual_out)
+            torch.cuda.synchronize()
+            assert int(moe.counters.abs().sum()) == 0
+            results[warp_table] = {
+                "table": moe.table.clone(),
+                "route_weights": moe.route_weights[:TOP_K].clone(),
+                "x": x,
+                "out": out,
+                "residual_out": residual_out,
+            }
+        for what, want in results[False].items():
+            _bits_equal(results[True][what], want, f"{regime} run {n} {what}")
+    ids, weights = _check_routing(blocks[True], x, gate, bias, 1)
+    _check_fused_output(experts, x, ids, weights, residual, residual_out, out)
+
+
 @pytest.mark.parametrize("policy", ["evict_first", "evict_last"])
 @pytest.mark.parametrize("regime", ["dummy", "balanced"])
 def test_expert_weight_l2_policy_is_bit_identical(experts, regime, policy):

@@ -28,6 +28,7 @@ from kernels.moe.kernel import (  # noqa: E402
     MoeExpertKernel,
     MoeRouterKernel,
     uses_cluster_logits,
+    uses_warp_table,
 )
 from kernels.moe.prepared import (  # noqa: E402
     M_BUCKETS,
@@ -66,11 +67,11 @@ SM90_MAX_SMEM_PER_CTA = 227 * 1024
 ROUTER_SMEM_BUDGET = 128 * 1024
 
 
-def _router(bucket, input_norm=False, path="cluster"):
+def _router(bucket, input_norm=False, path="cluster", warp_table=False):
     split, steps = router_split(HIDDEN)
     return MoeRouterKernel(
         HIDDEN, EXPERTS, TOP_K, bucket, split, ROUTER_WARPS, steps, 2.446,
-        input_norm=input_norm, cluster_logits=PATHS[path],
+        input_norm=input_norm, cluster_logits=PATHS[path], warp_table=warp_table,
     )  # fmt: skip
 
 
@@ -260,3 +261,38 @@ def test_router_cluster_shared_memory_fits(input_norm):
         ticket = _router(bucket, input_norm, "ticket")._smem_bytes()
         assert cluster == ticket + 4 * bucket * EXPERTS
         assert cluster <= ROUTER_SMEM_BUDGET < SM90_MAX_SMEM_PER_CTA
+
+
+def test_the_warp_table_is_for_one_token_only():
+    assert uses_warp_table(1, True)
+    assert not uses_warp_table(1, False)
+    assert not any(uses_warp_table(bucket, True) for bucket in M_BUCKETS if bucket > 1)
+    assert _router(2, warp_table=True).warp_table is False
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("input_norm", [False, True])
+def test_router_warp_table_compiles(input_norm, path):
+    kern = _router(1, input_norm, path, warp_table=True)
+    assert kern.warp_table
+    assert _compile_router(kern)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_router_warp_table_drops_the_cta_wide_pass(tmp_path, path):
+    """With the warp table the routing tile has four CTA barriers fewer (after
+    the masks' zeroing, the choices, the warps' prefix totals and the slots), no
+    shared-memory atomics (the expert masks) and no shfl.up (the prefix sums);
+    the top-k rounds are unchanged and nothing spills."""
+    cta = tmp_path / "cta"
+    warp = tmp_path / "warp"
+    cta.mkdir()
+    warp.mkdir()
+    base = compiled_ptx(cta, "test_moe_compile", f"_compile_router(t._router(1, True, {path!r}))")
+    call = f"_compile_router(t._router(1, True, {path!r}, warp_table=True))"
+    fast = compiled_ptx(warp, "test_moe_compile", call)
+    assert _count(base, "bar.sync") - _count(fast, "bar.sync") == 4
+    assert _count(base, "atom.shared") > 0 and _count(fast, "atom.shared") == 0
+    assert _count(base, "shfl.sync.up") > 0 and _count(fast, "shfl.sync.up") == 0
+    assert _count(fast, "redux.sync") == _count(base, "redux.sync") == 2 * TOP_K
+    assert "ld.local" not in fast and "st.local" not in fast
