@@ -102,6 +102,11 @@ def smem_bytes(warps: int, low_rank_gates: bool = False) -> int:
     return size
 
 
+def _select(cond, if_true, if_false):
+    """Branch-free select of two FP32 values."""
+    return Float32(cutlass.select_(cond, if_true, if_false))
+
+
 @cute.jit
 def _warp_sum(value):
     # Butterfly: every lane ends with the sum over the warp.
@@ -426,30 +431,56 @@ class KdaDecodeKernel:
                     acc_q = acc_q + rows[i][e] * q4[e]
                 dot_k[i] = acc_k
                 dot_q[i] = acc_q
-            # Interleaved butterflies: 32 independent reductions in flight.
+            # The 2R row sums (R = rows_per_warp) over the warp's lanes by
+            # recursive halving: at offset o a lane keeps the half of its
+            # partial sums whose index bit matches its lane bit and adds its
+            # partner's partials of that half (own + partner's, as a butterfly
+            # adds them, so every sum is the butterfly's bit for bit), with
+            # 2R - 1 shuffles instead of the butterfly's 5 x 2R.  Lane l ends
+            # with sum index l >> (5 - log2(2R)): dot_k of rows 0..R-1 in lanes
+            # 0..15, dot_q of the same rows in lanes 16..31 (with R = 8 each in
+            # two neighbouring lanes, after a last butterfly round).
+            sums = [dot_k[i] for i in range(self.rows_per_warp)]
+            sums += [dot_q[i] for i in range(self.rows_per_warp)]
             for offset in cutlass.range_constexpr(5):
-                for i in cutlass.range_constexpr(self.rows_per_warp):
-                    dot_k[i] = dot_k[i] + cute.arch.shuffle_sync_bfly(
-                        dot_k[i], 16 >> offset
-                    )
-                    dot_q[i] = dot_q[i] + cute.arch.shuffle_sync_bfly(
-                        dot_q[i], 16 >> offset
-                    )
+                bit = 16 >> offset
+                if const_expr(len(sums) > 1):
+                    half = len(sums) // 2
+                    upper = (lane & bit) != 0
+                    kept = []
+                    for j in cutlass.range_constexpr(half):
+                        mine = _select(upper, sums[j + half], sums[j])
+                        theirs = _select(upper, sums[j], sums[j + half])
+                        kept.append(mine + cute.arch.shuffle_sync_bfly(theirs, bit))
+                    sums = kept
+                else:
+                    sums[0] = sums[0] + cute.arch.shuffle_sync_bfly(sums[0], bit)
+            lanes_per_sum = WARP_THREADS // (2 * self.rows_per_warp)
+            my_row = (lane // lanes_per_sum) % self.rows_per_warp
+            holds_q = lane >= WARP_THREADS // 2
 
-            # ---- delta-rule update, store, and o (rounded to bf16 as stock).
-            sq_o = Float32(0.0)
+            # ---- delta rule: delta of a row where its dot_k is, then to its
+            # dot_q's lanes (16 apart) for o (rounded to bf16 as stock), and to
+            # every lane for its four keys of the row's update.
+            value_row = first_row + my_row
+            v_in = qkv_s[2, value_row // KEYS_PER_LANE, value_row % KEYS_PER_LANE]
+            my_delta = beta * (v_in - sums[0])
+            row_delta = cute.arch.shuffle_sync_bfly(my_delta, WARP_THREADS // 2)
+            if holds_q and lane % lanes_per_sum == 0:
+                o_val = (sums[0] + row_delta * kq).to(BFloat16).to(Float32)
+                o_s[value_row] = o_val
             for i in cutlass.range_constexpr(self.rows_per_warp):
-                value_row = first_row + i
-                v_in = qkv_s[2, value_row // KEYS_PER_LANE, value_row % KEYS_PER_LANE]
-                delta = beta * (v_in - dot_k[i])
+                delta = cute.arch.shuffle_sync(my_delta, i * lanes_per_sum)
                 for e in cutlass.range_constexpr(KEYS_PER_LANE):
                     rows[i][e] = rows[i][e] + delta * k4[e]
-                cute.autovec_copy(rows[i], state[value_row, lane, None])
-                o_val = (dot_q[i] + delta * kq).to(BFloat16).to(Float32)
-                sq_o = sq_o + o_val * o_val
-                if lane == i:
-                    o_s[value_row] = o_val
+                cute.autovec_copy(rows[i], state[first_row + i, lane, None])
+            # The norm's sum of squares in row order, as before.
+            cute.arch.sync_warp()
             if lane == 0:
+                sq_o = Float32(0.0)
+                for i in cutlass.range_constexpr(self.rows_per_warp):
+                    o_val = o_s[first_row + i]
+                    sq_o = sq_o + o_val * o_val
                 sumsq_s[warp] = sq_o
             cute.arch.sync_threads()
 

@@ -135,3 +135,29 @@ def test_rejects_bad_configs():
         _kernel(state_row=HEAD_DIM + 2)
     with pytest.raises(ValueError, match="warps must be one of"):
         _kernel(warps=4)
+
+
+def _shuffles(ptx: str, kind: str) -> int:
+    return sum(ln.strip().startswith(f"shfl.sync.{kind}") for ln in ptx.splitlines())
+
+
+# shfl.sync.idx the kernel has besides the deltas' (the shared-memory base and the
+# warp index made warp-uniform; the butterfly version had them too).
+OTHER_INDEXED_SHUFFLES = 3
+
+
+@pytest.mark.parametrize("warps", [8, 16])
+def test_row_sums_take_a_shuffle_per_sum_and_one_per_row(tmp_path, warps):
+    """The 2R row sums of a warp (R = 128 / warps rows, dot_k and dot_q) by
+    recursive halving: 2R - 1 butterfly shuffles (R = 8: one more, a last
+    butterfly round) where a butterfly took 5 x 2R, one to pair a row's delta
+    with its dot_q, and R indexed ones that hand the deltas to every lane; plus
+    the q / k norms' and k.q's three 5-round butterflies.  Nothing spills."""
+    text = compiled_ptx(
+        tmp_path, "test_kda_compile", f"_compile(t._kernel(state_early=True, warps={warps}))"
+    )
+    rows = HEAD_DIM // warps
+    halving = 2 * rows - 1 + (1 if rows == 8 else 0)
+    assert _shuffles(text, "bfly") == 3 * 5 + halving + 1
+    assert _shuffles(text, "idx") == rows + OTHER_INDEXED_SHUFFLES
+    assert ".local" not in text, "register spill / local array in the kernel"
