@@ -85,8 +85,10 @@ class MoeConfig:
     # for both.
     warps_max_bucket: int | None = None
     # At M-bucket 1, the router's top-k warp writes the routing table itself
-    # (``MoeRouterKernel(warp_table=)``); False: the CTA-wide table pass.
-    router_warp_table: bool = False
+    # (``MoeRouterKernel(warp_table=)``): the same table without the CTA-wide
+    # pass's four barriers, 15 us less GPU time per 27-layer step at 1 request
+    # on the H200 (``moe_notes.md``). False: the CTA-wide pass, the reference.
+    router_warp_table: bool = True
 
     @property
     def down_stage_warps(self) -> int:

@@ -449,9 +449,9 @@ def test_router_paths_are_bit_identical(experts, m, regime, input_norm):
 @ROUTER_PATHS
 @pytest.mark.parametrize("regime", ["dummy", "balanced", "random", "ties", "bias_ties"])
 def test_router_warp_table_is_bit_identical(experts, regime, router_cluster, input_norm):
-    """``MoeConfig(router_warp_table=True)``: at M = 1 the top-k warp writes the
-    routing table (its k experts ranked by id in registers) instead of the
-    CTA-wide pass: the same whole table, route weights, normalised x and
+    """``MoeConfig(router_warp_table=True)`` (the default): at M = 1 the top-k
+    warp writes the routing table (its k experts ranked by id in registers)
+    instead of the CTA-wide pass: the same whole table, route weights, normalised x and
     outputs bit for bit, run after run on one prepared block (three tokens in
     turn: every run rewrites what the next reads).  M-bucket 2 keeps the CTA
     pass."""

@@ -1055,36 +1055,6 @@ def test_the_kernel_factory_hands_the_expert_warps_to_the_moe(monkeypatch, moe_p
     assert [config.expert_warps(b) for b in (1, 2, 4)] == [(4, 8), (4, 8), (4, 4)]
 
 
-@pytest.mark.parametrize(
-    ("environ", "warp_table"),
-    [
-        ({}, False),
-        ({"VLLM_HD_MOE_ROUTER_TABLE": ""}, False),
-        ({"VLLM_HD_MOE_ROUTER_TABLE": "cta"}, False),
-        ({"VLLM_HD_MOE_ROUTER_TABLE": "warp"}, True),
-    ],
-)
-def test_the_moe_router_table_switch(environ, warp_table):
-    assert decode.moe_router_warp_table_from_env(environ) is warp_table
-
-
-@pytest.mark.parametrize("value", ["block", "Warp", " warp", "1"])
-def test_other_moe_router_tables_fail_at_start_naming_the_variable(monkeypatch, value):
-    monkeypatch.setenv("VLLM_HD_MOE_ROUTER_TABLE", value)
-    with pytest.raises(ValueError, match=f"VLLM_HD_MOE_ROUTER_TABLE={value!r}"):
-        decode.KernelFactory()
-
-
-@pytest.mark.usefixtures("moe_prepared")
-def test_the_kernel_factory_hands_the_router_table_to_the_moe(monkeypatch):
-    monkeypatch.delenv("VLLM_HD_MOE_ROUTER_TABLE", raising=False)
-    assert not decode.KernelFactory(clusters=True).moe(top_k=8)["config"].router_warp_table
-    monkeypatch.setenv("VLLM_HD_MOE_ROUTER_TABLE", "warp")
-    assert decode.KernelFactory(clusters=True).moe(top_k=8)["config"].router_warp_table
-    explicit = decode.KernelFactory(clusters=True, moe_router_warp_table=False)
-    assert not explicit.moe(top_k=8)["config"].router_warp_table
-
-
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):
     monkeypatch.setenv("VLLM_HD_EXPERT_L2_POLICY", "evict_normal")
     with pytest.raises(ValueError, match="VLLM_HD_EXPERT_L2_POLICY='evict_normal'"):

@@ -175,29 +175,6 @@ def moe_expert_warps_from_env(
     return (int(parts[0]), int(parts[-1]), int(max_bucket) if max_bucket else None)
 
 
-# Who writes the MoE routing table at M-bucket 1: "cta", the router's CTA-wide
-# pass (expert masks, prefix sums, four barriers; every bucket takes it), or
-# "warp", the one token's top-k warp ranking its k experts in registers. Same
-# table bit for bit; an experiment switch for one-host engine A/Bs.
-MOE_ROUTER_TABLE_ENV = "VLLM_HD_MOE_ROUTER_TABLE"
-MOE_ROUTER_TABLES = ("cta", "warp")
-DEFAULT_MOE_ROUTER_TABLE = "cta"
-
-
-def moe_router_warp_table_from_env(environ: dict[str, str] | None = None) -> bool:
-    """Whether the router's top-k warp writes the table at M-bucket 1, as
-    ``MOE_ROUTER_TABLE_ENV`` asks (``DEFAULT_MOE_ROUTER_TABLE`` if unset or
-    empty); raises, naming the variable, on another value."""
-    value = (os.environ if environ is None else environ).get(MOE_ROUTER_TABLE_ENV)
-    value = value or DEFAULT_MOE_ROUTER_TABLE
-    if value not in MOE_ROUTER_TABLES:
-        raise ValueError(
-            f"{MOE_ROUTER_TABLE_ENV}={value!r}: expected one of "
-            f"{', '.join(MOE_ROUTER_TABLES)} (or unset)"
-        )
-    return value == "warp"
-
-
 # --------------------------------------------------------------------- kernels
 class KernelFactory:
     """Builds the prepared kernels and the stock ops a step uses.
@@ -210,9 +187,7 @@ class KernelFactory:
     weight L2 policy and the largest M-bucket that takes it (default:
     ``expert_l2_policy_from_env``). ``moe_expert_warps``: the warps of the MoE's
     gate_up and down CTAs and the largest M-bucket that takes them (default:
-    ``moe_expert_warps_from_env``). ``moe_router_warp_table``: whether the
-    router's top-k warp writes the routing table at M-bucket 1 (default:
-    ``moe_router_warp_table_from_env``).
+    ``moe_expert_warps_from_env``).
     """
 
     def __init__(
@@ -220,7 +195,6 @@ class KernelFactory:
         clusters: bool | None = None,
         expert_l2_policy: tuple[str | None, int | None] | None = None,
         moe_expert_warps: tuple[int, int, int | None] | None = None,
-        moe_router_warp_table: bool | None = None,
     ) -> None:
         self.clusters = clusters_allowed() if clusters is None else clusters
         if expert_l2_policy is None:
@@ -229,16 +203,6 @@ class KernelFactory:
         if moe_expert_warps is None:
             moe_expert_warps = moe_expert_warps_from_env()
         self.moe_expert_warps = moe_expert_warps
-        if moe_router_warp_table is None:
-            moe_router_warp_table = moe_router_warp_table_from_env()
-        self.moe_router_warp_table = moe_router_warp_table
-        logger.info(
-            "Kimi-Linear specialized decode: the MoE routing table at M-bucket 1 "
-            "written by %s (%s=%r)",
-            "the top-k warp" if moe_router_warp_table else "the router's CTA",
-            MOE_ROUTER_TABLE_ENV,
-            os.environ.get(MOE_ROUTER_TABLE_ENV, ""),
-        )
         gate_up_warps, down_warps, warps_max_bucket = self.moe_expert_warps
         logger.info(
             "Kimi-Linear specialized decode: MoE expert CTAs of %d (gate_up) and %d "
@@ -332,7 +296,6 @@ class KernelFactory:
                 warps=gate_up_warps,
                 down_warps=down_warps,
                 warps_max_bucket=warps_max_bucket,
-                router_warp_table=self.moe_router_warp_table,
             ),
             router_cluster=self.clusters,
             expert_weight_l2_policy=self.expert_l2_policy[0],
