@@ -212,6 +212,12 @@ def ab_moe(gen, m_values=None) -> list[dict]:
     return rows
 
 
+# The KDA step's variants, each timed against the base's same variant: the plain kernel,
+# the one that loads its slot, state and conv history before the PDL wait, and the
+# decode executor's (that, with f_b / g_b applied inside: inputs f_a(x), g_a(x)).
+KDA_VARIANTS = ("prepared", "prepared_early", "prepared_low_rank")
+
+
 def ab_kda(gen) -> list[dict]:
     import torch
     from kernels_base.kda.prepared import PreparedKda as BaseKda
@@ -227,44 +233,60 @@ def ab_kda(gen) -> list[dict]:
         n_layers = min(bk.MAX_LAYERS, max(2, -(-3 * bk.L2_BYTES // state_b)))
         layers = [bk.Layer(batch, gen) for _ in range(n_layers)]
         for lay in layers:
-            lay.base = BaseKda(
+            common = (
                 tuple(w.view(bk.PROJ, 1, 4) for w in lay.conv_weight), lay.a_log,
-                lay.dt_bias, lay.norm_weight, lay.conv_state, lay.state, num_heads=bk.HEADS,
+                lay.dt_bias, lay.norm_weight, lay.conv_state, lay.state,
             )  # fmt: skip
+            lay.base = {
+                "prepared": BaseKda(*common, num_heads=bk.HEADS),
+                "prepared_early": BaseKda(
+                    *common, num_heads=bk.HEADS, state_loads_before_wait=True
+                ),
+                "prepared_low_rank": BaseKda(
+                    *common, num_heads=bk.HEADS, state_loads_before_wait=True,
+                    gate_weights=lay.gate_weights,
+                ),
+            }  # fmt: skip
         rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16)  # noqa: E731
         q, k, v, g1, g2 = (rnd(batch, bk.PROJ) for _ in range(5))
+        f_a, g_a = (rnd(batch, bk.GATE_RANK) for _ in range(2))
         beta = rnd(batch, bk.HEADS)
         slots = torch.arange(1, batch + 1, device="cuda", dtype=torch.int32)
         out = torch.empty(batch, bk.PROJ, device="cuda", dtype=torch.bfloat16)
-        # One step of each variant from the same caches (restored after each).
+        steps = {
+            name: (q, k, v, f_a, beta, g_a, slots, out)
+            if name == "prepared_low_rank"
+            else (q, k, v, g1, beta, g2, slots, out)
+            for name in KDA_VARIANTS
+        }
+        row = {"batch": batch, "layers_in_graph": n_layers}
+        # One step of each side of each variant from the same caches (restored after each).
         lay = layers[0]
         conv0, state0 = lay.conv_state.clone(), lay.state.clone()
-        results = []
-        for prepared in (lay.base, lay.prepared, lay.prepared_early):
-            lay.conv_state.copy_(conv0)
-            lay.state.copy_(state0)
-            prepared.run(q, k, v, g1, beta, g2, slots, out)
-            torch.cuda.synchronize()
-            results.append((out.clone(), lay.state.clone()))
+        for name in KDA_VARIANTS:
+            results = []
+            for prepared in (lay.base[name], getattr(lay, name)):
+                lay.conv_state.copy_(conv0)
+                lay.state.copy_(state0)
+                prepared.run(*steps[name])
+                torch.cuda.synchronize()
+                results.append((out.clone(), lay.state.clone()))
+            (base_out, base_state), (new_out, new_state) = results
+            row[f"{name}_rel_diff"] = {
+                "out": _agree(f"kda {name} B={batch} out", new_out, base_out, 5e-3),
+                "state": _agree(f"kda {name} B={batch} state", new_state, base_state, 1e-4),
+            }
         lay.conv_state.copy_(conv0)
         lay.state.copy_(state0)
-        row = {"batch": batch, "layers_in_graph": n_layers}
-        for name, (got_out, got_state) in zip(("prepared", "prepared_early"), results[1:]):
-            row[f"{name}_rel_diff"] = {
-                "out": _agree(f"kda {name} B={batch} out", got_out, results[0][0], 5e-3),
-                "state": _agree(f"kda {name} B={batch} state", got_state, results[0][1], 1e-4),
-            }
-        step = (q, k, v, g1, beta, g2, slots, out)
-        for name in ("prepared", "prepared_early"):
+        for name in KDA_VARIANTS:
             row[name] = _interleaved(
                 timer_for(layers),
-                lambda lay, a=step: lay.base.run(*a),
-                lambda lay, a=step, n=name: getattr(lay, n).run(*a),
+                lambda lay, a=steps[name], n=name: lay.base[n].run(*a),
+                lambda lay, a=steps[name], n=name: getattr(lay, n).run(*a),
             )
         rows.append(row)
         print(json.dumps({"batch": batch, **{
-            n: {k: v for k, v in row[n].items() if k != "runs_us"}
-            for n in ("prepared", "prepared_early")
+            n: {k: v for k, v in row[n].items() if k != "runs_us"} for n in KDA_VARIANTS
         }}), flush=True)  # fmt: skip
         del layers
         torch.cuda.empty_cache()
