@@ -100,6 +100,9 @@ HOST_PHASE_ROWS = (
 # the longest boundaries (kernel before, kernel after) are listed.
 IDLE_GAP_MIN_US = 5.0
 IDLE_GAP_ROWS = 6
+# Greedy sampling launches exactly one argmax per engine step, last among the step's
+# kernels: it splits a trace into steps.
+STEP_END_KERNEL = "ArgMaxOps"
 PROFILE_TOP_KERNELS = 25
 PROFILE_MD_ROWS = 15
 # CuTe DSL kernel symbols start with their module path; the markdown shows the rest.
@@ -137,7 +140,12 @@ def kernel_table(events: list[dict], steps: int, top: int) -> dict:
     ``idle_us_per_step`` is the time between the first kernel's start and the last one's
     end with no kernel running; ``idle_gaps`` names where it falls: per (kernel before,
     kernel after) pair, the idle time per step in gaps of at least ``IDLE_GAP_MIN_US``
-    (the host's turn between decode steps shows up as one such boundary)."""
+    (the host's turn between decode steps shows up as one such boundary).
+
+    ``busy_us_median_step`` is the median of the busy time of single engine steps, each
+    ending with a kernel named like ``STEP_END_KERNEL`` (None below 3 steps): the
+    profiled batch's prefill steps, one or several as the scheduler took the requests
+    in, count in ``busy_us_per_step`` but not in this median."""
     kernels = sorted(
         (e for e in events if e.get("cat") == "kernel"), key=lambda e: (e["ts"], e["dur"])
     )
@@ -146,6 +154,8 @@ def kernel_table(events: list[dict], steps: int, top: int) -> dict:
     busy_end = float("-inf")
     busy = 0.0
     last_name = ""
+    step_busy: list[float] = []
+    this_step = 0.0
     for event in kernels:
         start, end = event["ts"], event["ts"] + event["dur"]
         if last_name and start - busy_end >= IDLE_GAP_MIN_US:
@@ -154,6 +164,10 @@ def kernel_table(events: list[dict], steps: int, top: int) -> dict:
             gap[1] += 1
         advance = max(0.0, end - max(start, busy_end))
         busy += advance
+        this_step += advance
+        if STEP_END_KERNEL in event["name"]:
+            step_busy.append(this_step)
+            this_step = 0.0
         if end >= busy_end:
             last_name = event["name"]
         busy_end = max(busy_end, end)
@@ -167,6 +181,7 @@ def kernel_table(events: list[dict], steps: int, top: int) -> dict:
         "steps": steps,
         "gpu_us_per_step": sum(us for us, _, _ in totals.values()) / steps,
         "busy_us_per_step": busy / steps,
+        "busy_us_median_step": statistics.median(step_busy) if len(step_busy) >= 3 else None,
         "idle_us_per_step": (span - busy) / steps,
         "launches_per_step": sum(n for _, _, n in totals.values()) / steps,
         "kernels": [

@@ -188,7 +188,10 @@ engine-ab)
         cp "$ab-$tag/latency_specialized.json" "$OUT/ab-$tag.json" 2>/dev/null \
             && python3 -c "import json, sys; d = json.load(open(sys.argv[1])); \
 print('GPU busy us per step:', {k[-2:]: round(v['busy_us_per_step'], 1) \
-for k, v in d.items() if k.startswith('profile_n') and v})" "$OUT/ab-$tag.json"
+for k, v in d.items() if k.startswith('profile_n') and v}); \
+print('GPU busy us, median step:', {k[-2:]: v.get('busy_us_median_step') \
+and round(v['busy_us_median_step'], 1) for k, v in d.items() \
+if k.startswith('profile_n') and v})" "$OUT/ab-$tag.json"
         # shellcheck disable=SC2086
         python3 scripts/trace_seams.py "$ab-traces-$tag/trace-latency_specialized-n1.json.gz" \
             $seam --json "$OUT/seams-$tag.json"

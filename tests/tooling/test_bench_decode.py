@@ -276,6 +276,26 @@ def test_kernel_table_counts_an_early_launched_kernel_only_for_the_time_it_adds(
     assert table["busy_us_per_step"] == pytest.approx(55.0) == sum(advance.values())
 
 
+def test_kernel_table_takes_the_median_step_past_prefill_steps():
+    # A prefill step (300 us of kernels), then three decode steps of 40, 41 and 41 us,
+    # each ending with the greedy sampler's argmax; the kernels after the last argmax
+    # belong to no complete step.
+    argmax = "void at::native::reduce_kernel<ArgMaxOps<float>>"
+    events = [{"cat": "kernel", "name": "prefill", "ts": 0.0, "dur": 297.0}]
+    events.append({"cat": "kernel", "name": argmax, "ts": 297.0, "dur": 3.0})
+    t = 400.0
+    for busy in (40.0, 41.0, 41.0):
+        events.append({"cat": "kernel", "name": "decode", "ts": t, "dur": busy - 3.0})
+        events.append({"cat": "kernel", "name": argmax, "ts": t + busy - 3.0, "dur": 3.0})
+        t += 100.0
+    events.append({"cat": "kernel", "name": "embed", "ts": t, "dur": 5.0})
+    table = bench.kernel_table(events, steps=4, top=3)
+    assert table["busy_us_median_step"] == pytest.approx(41.0)
+    assert table["busy_us_per_step"] == pytest.approx((300.0 + 122.0 + 5.0) / 4)
+    # Fewer than three steps: no median.
+    assert bench.kernel_table(events[:4], steps=2, top=3)["busy_us_median_step"] is None
+
+
 def test_kernel_table_locates_the_gpu_idle_time():
     # Two steps: "embed" .. "argmax", then 100 us and 90 us of host time before the next
     # step's "embed"; a 2 us launch gap inside a step is not listed.
