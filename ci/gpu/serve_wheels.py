@@ -14,7 +14,10 @@ The `upstream-tests` profile stages what upstream vLLM's own tests import beyond
 bundle and the host image (the H200 run of 2026-12-01 stopped at tests/conftest.py:
 "No module named 'tblib'"): the packages of ci/requirements-upstream-tests.txt, at the
 versions pinned there (the CPU CI installs the same file), so the GPU subset of
-ci/upstream_tests.yaml runs against the same test stack as the CPU one.
+ci/upstream_tests.yaml runs against the same test stack as the CPU one. It carries the
+serve profile's packages too: upstream's tests/utils.py imports vllm.entrypoints, which
+needs uvicorn (2026-12-04: test_cudagraph_dispatch.py and test_registry.py failed to
+collect without it).
 
 Usage (repository root, on a machine with pip access):
     python3 ci/gpu/serve_wheels.py [--profile serve|upstream-tests]
@@ -48,6 +51,7 @@ SERVE_PINS = [
 # versions the wheel venv resolves to.
 GPU_HOST_TEST_PINS = [
     "anthropic==2.14.0",
+    "jiter==0.19.0",  # anthropic's; the vllm bundle does not carry it (2026-12-04)
     "docstring-parser==0.18.0",
     "httpx2==2.16.2",
     "httpcore2==2.16.2",
@@ -84,7 +88,7 @@ def upstream_test_pins(path: Path = TEST_REQUIREMENTS) -> list[str]:
 # profile -> the modules its install.sh imports as the check.
 PROFILE_IMPORTS = {
     "serve": "uvicorn, watchfiles, prometheus_fastapi_instrumentator",
-    "upstream-tests": "tblib, pytest_asyncio, transformers, anthropic",
+    "upstream-tests": "tblib, pytest_asyncio, transformers, anthropic, uvicorn",
 }
 
 
@@ -94,7 +98,7 @@ def main() -> int:
     args = ap.parse_args()
     pins = SERVE_PINS
     if args.profile == "upstream-tests":
-        pins = upstream_test_pins() + GPU_HOST_TEST_PINS
+        pins = upstream_test_pins() + GPU_HOST_TEST_PINS + SERVE_PINS
     imports = PROFILE_IMPORTS[args.profile]
     out = Path(".gpu-bundle") / args.profile
     out.mkdir(parents=True, exist_ok=True)

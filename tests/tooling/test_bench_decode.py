@@ -90,7 +90,12 @@ def test_report_shows_how_long_the_gpu_waits_at_the_traced_sizes(tmp_path):
     assert busy == {"1": {"stock": 3.5, "specialized": 1.5}}
     data = _report()
     data["gpu_busy_ms"] = busy
-    assert "| 1 | 3.600 | 3.500 | 1.800 | 1.500 | 0.300 |" in _markdown(data, tmp_path)
+    assert "| 1 | 3.600 | 3.500 | 1.800 | 1.500 | - | 0.300 |" in _markdown(data, tmp_path)
+    # With the median decode step traced, the wait is read against it (the mean holds the
+    # batch's prefill steps).
+    profiles = {"1": {"latency_specialized": {"busy_us_median_step": 1400.0}}}
+    lines = bench._busy_lines(data["summary"], busy, profiles)
+    assert "| 1 | 3.600 | 3.500 | 1.800 | 1.500 | 1.400 | 0.400 |" in lines
     # Results without traces (older runs) give no table; the summary keeps its keys.
     assert bench.gpu_busy_ms(_results()) == {}
     assert bench._busy_lines(data["summary"], {}) == []
