@@ -48,6 +48,7 @@ import datetime
 import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -348,6 +349,7 @@ def write_markdown(data: dict, path: Path) -> None:
         "",
         f"Method: {data['method']}",
         "",
+        *_cpu_lines(data.get("cpu") or {}),
         *([f"Note: {data['notes']}.", ""] if data.get("notes") else []),
         "| N | stock ms | specialized ms | speedup | floor ms | specialized / floor | "
         "distinct experts |",
@@ -391,6 +393,28 @@ def write_markdown(data: dict, path: Path) -> None:
         for backend, table in (data.get(f"profile_n{n}") or {}).items():
             lines += _profile_lines(backend, table, n)
     path.write_text("\n".join(lines))
+
+
+def _cpu_lines(cpus: dict) -> list[str]:
+    """The host CPU each role ran on (reports of earlier runs have none)."""
+    named = {role: cpu for role, cpu in cpus.items() if cpu}
+    if not named:
+        return []
+    shown = {
+        f"{cpu['model']}, {cpu['usable_cpus'] or cpu['logical_cpus']} CPUs usable"
+        for cpu in named.values()
+    }
+    if len(shown) == 1:
+        return [f"Host CPU (every role): {shown.pop()}.", ""]
+    return [
+        "Host CPU per role: "
+        + "; ".join(
+            f"{role}: {cpu['model']}, {cpu['usable_cpus'] or cpu['logical_cpus']} CPUs usable"
+            for role, cpu in sorted(named.items())
+        )
+        + ".",
+        "",
+    ]
 
 
 def _busy_lines(summary: dict, busy: dict, profiles: dict | None = None) -> list[str]:
@@ -854,6 +878,28 @@ def run_roles(
 SWITCH_PREFIX = "VLLM_HD_"
 
 
+def host_cpu(cpuinfo: str | None = None) -> dict[str, object]:
+    """The host's CPU model and the CPUs this process may run on: at 1-2 requests the
+    specialized step can be bound by vLLM's host loop (the engine core's one thread), whose
+    speed differs between hosts of the same GPU kind (2026-12-04: `execute_model` 1114 vs
+    1401 us per step on two H200 hosts), so each report names the CPU it ran on."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    models = [
+        line.split(":", 1)[1].strip()
+        for line in cpuinfo.splitlines()
+        if line.startswith("model name") and ":" in line
+    ]
+    return {
+        "model": models[0] if models else platform.processor() or "unknown",
+        "logical_cpus": len(models) or os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+
+
 def host_facts(command: str) -> dict[str, object]:
     """Where and with what a role ran: the report is assembled from these, on any host."""
     import torch
@@ -863,6 +909,7 @@ def host_facts(command: str) -> dict[str, object]:
 
     return {
         "gpu": torch.cuda.get_device_name(),
+        "cpu": host_cpu(),
         "vllm": vllm.__version__,
         "fingerprint": build.FINGERPRINT,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -1082,6 +1129,8 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         "switches": first.get("switches", {}),
         "vllm": first["vllm"],
         "gpu": first["gpu"],
+        # Per role: the roles may run on different hosts (separate device calls).
+        "cpu": {role: host.get("cpu") for role, host in hosts.items()},
         "date": max(host["date"] for host in hosts.values()),
         "command": " ; ".join(dict.fromkeys(host["command"] for host in hosts.values())),
     }

@@ -563,3 +563,30 @@ def test_a_stopped_bench_kills_its_worker_and_the_engine_below_it(tmp_path):
             parent.kill()
         if pid_file.exists() and pid_file.read_text() and _alive(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_host_cpu_names_the_model_and_counts_the_processors():
+    cpuinfo = (
+        "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n\n"
+        "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+    )
+    cpu = bench.host_cpu(cpuinfo)
+    assert cpu["model"] == "Intel(R) Xeon(R) Platinum 8480+"
+    assert cpu["logical_cpus"] == 2
+    assert cpu["usable_cpus"] is None or cpu["usable_cpus"] >= 1
+    assert bench.host_cpu("")["logical_cpus"] == os.cpu_count()
+
+
+def test_report_names_each_roles_host_cpu(tmp_path):
+    got = _role_results()
+    fast = {"model": "CPU A", "logical_cpus": 32, "usable_cpus": 16}
+    for role in got:
+        got[role]["host"]["cpu"] = fast
+    data = bench.assemble(CONFIG, got, "m")
+    assert data["cpu"] == {role: fast for role in got}
+    assert "Host CPU (every role): CPU A, 16 CPUs usable." in _markdown(data, tmp_path)
+    got["latency_specialized"]["host"]["cpu"] = dict(fast, model="CPU B")
+    text = _markdown(bench.assemble(CONFIG, got, "m"), tmp_path)
+    assert "latency_specialized: CPU B, 16 CPUs usable" in text and "auto: CPU A" in text
+    # Reports of earlier runs name no CPU.
+    assert "Host CPU" not in _markdown(_report(), tmp_path)
