@@ -41,6 +41,7 @@ from bench_decode import (  # noqa: E402
     DEFAULT_MODEL_DIR,
     PROMPT_TOKENS,
     _engine_args,
+    host_facts,
     itl_samples,
     stream_batch,
     worker_env,
@@ -326,9 +327,47 @@ def run(
         engine.shutdown()
 
 
+def compare(base: dict, new: dict) -> list[str]:
+    """Markdown lines: the median µs per call of every phase both runs timed (with the
+    new run's calls per decode step: a phase called about once per step is one to compare),
+    and the inter-token latency, per N, base against new (two wheels on one host)."""
+
+    def label(run: dict) -> str:
+        host = run.get("host") or {}
+        return f"{host.get('vllm', '?')} ({str(host.get('fingerprint', '?'))[:8]})"
+
+    lines = [f"Host loop, {label(base)} -> {label(new)}: median µs per call", ""]
+    for n in sorted(set(base["per_n"]) & set(new["per_n"]), key=int):
+        a, b = base["per_n"][n], new["per_n"][n]
+        lines += [
+            f"N = {n}: inter-token latency {a['itl_ms']:.3f} -> {b['itl_ms']:.3f} ms "
+            f"({(b['itl_ms'] - a['itl_ms']) * 1e3:+.1f} µs)",
+            "",
+            "| phase | calls per step | base | new | new - base |",
+            "|---|---|---|---|---|",
+        ]
+        for key in sorted(set(a["phases"]) & set(b["phases"])):
+            was, now = a["phases"][key]["median_us"], b["phases"][key]["median_us"]
+            calls = b["phases"][key].get("calls_per_step")
+            shown = "?" if calls is None else f"{calls:.2f}"
+            lines.append(f"| `{key}` | {shown} | {was:.1f} | {now:.1f} | {now - was:+.1f} |")
+        only = sorted(set(a["phases"]) ^ set(b["phases"]))
+        if only:
+            lines.append(f"\nTimed in one run only: {', '.join(only)}.")
+        lines.append("")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("BASE", "NEW"),
+        help="only compare two results of this script (e.g. two wheels on one host) and exit",
+    )
+    ap.add_argument("--out-dir", type=Path)
     ap.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
     ap.add_argument("--backend", default="latency_specialized")
     ap.add_argument(
@@ -349,12 +388,20 @@ def main() -> int:
         "--triton-cache", type=Path, help="one Triton cache shared with make bench's engines"
     )
     args = ap.parse_args()
+    if args.compare:
+        base, new = (json.loads(path.read_text()) for path in args.compare)
+        print("\n".join(compare(base, new)))
+        return 0
+    if args.out_dir is None:
+        ap.error("--out-dir is required (unless --compare)")
     os.environ.update(worker_env(os.environ, args.triton_cache))
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     # collective_rpc with functions needs vLLM's pickle-based serialization.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     ns = [int(n) for n in args.n.split(",")]
     result, text = run(args.model_dir, args.backend, args.runner, ns, args.tokens)
+    # Which wheel and host: an A/B of two wheels on one host compares two of these files.
+    result["host"] = host_facts(" ".join(sys.argv))
     name = f"host_loop-{args.backend}-{args.runner}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))

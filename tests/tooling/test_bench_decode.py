@@ -590,3 +590,24 @@ def test_report_names_each_roles_host_cpu(tmp_path):
     assert "latency_specialized: CPU B, 16 CPUs usable" in text and "auto: CPU A" in text
     # Reports of earlier runs name no CPU.
     assert "Host CPU" not in _markdown(_report(), tmp_path)
+
+
+def test_host_loop_compare_lines_up_the_phases_of_two_wheels():
+    import profile_host_loop as host_loop
+
+    def run(version: str, prepare_us: float, itl_ms: float, extra: str | None = None) -> dict:
+        phases = {"runner._prepare_inputs": {"median_us": prepare_us, "calls_per_step": 1.0}}
+        if extra:
+            phases[extra] = {"median_us": 5.0}
+        return {
+            "host": {"vllm": version, "fingerprint": "f6541e4d50fc"},
+            "per_n": {"1": {"itl_ms": itl_ms, "phases": phases}},
+        }
+
+    lines = host_loop.compare(
+        run("0.26.0+hd.16", 563.0, 2.295), run("0.26.0+hd.17", 500.5, 2.230, "new.phase")
+    )
+    assert lines[0].startswith("Host loop, 0.26.0+hd.16 (f6541e4d) -> 0.26.0+hd.17")
+    assert "N = 1: inter-token latency 2.295 -> 2.230 ms (-65.0 µs)" in lines
+    assert "| `runner._prepare_inputs` | 1.00 | 563.0 | 500.5 | -62.5 |" in lines
+    assert "\nTimed in one run only: new.phase." in lines
