@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_host_loop import time_replays  # noqa: E402
 
 NODE_COUNTS = (1, 16, 64, 128, 256, 512)
 # Replays per measurement: enough queued work that each timed replay() call returns without
@@ -136,23 +138,15 @@ def _measure(nodes: int, pdl: bool) -> dict:
         for _ in range(WARMUP_REPLAYS):
             graph.replay()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        host = []
-        start.record()
-        for _ in range(REPLAYS):
-            t0 = time.perf_counter()
-            graph.replay()
-            host.append(time.perf_counter() - t0)
-        end.record()
-        torch.cuda.synchronize()
+        gpu_ms, host_us = time_replays(graph, REPLAYS)
     replays = WARMUP_REPLAYS + REPLAYS
     if int(counter.item()) != nodes * replays:  # every node ran, in order, every replay
         raise RuntimeError(f"{nodes} nodes, PDL {pdl}: counter {counter.item()}")
     return {
         "nodes": nodes,
         "pdl": pdl,
-        "host_us_per_replay": statistics.median(host) * 1e6,
-        "gpu_us_per_replay": start.elapsed_time(end) * 1e3 / REPLAYS,
+        "host_us_per_replay": host_us,
+        "gpu_us_per_replay": gpu_ms * 1e3,
     }
 
 

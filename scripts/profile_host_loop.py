@@ -171,8 +171,6 @@ def time_graph_replays(worker) -> dict[str, dict]:
     over GRAPH_REPLAYS back-to-back replays (events), and the host microseconds one
     replay() call takes when the GPU is busy. Run with no request in flight: the replays
     rewrite the last step's cache rows and states, which nothing reads any more."""
-    import time
-
     import torch
 
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
@@ -189,20 +187,33 @@ def time_graph_replays(worker) -> dict[str, dict]:
         graph = entry.cudagraph
         graph.replay()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        host = []
-        start.record()
-        for _ in range(GRAPH_REPLAYS):
-            t0 = time.perf_counter()
-            graph.replay()
-            host.append(time.perf_counter() - t0)
-        end.record()
-        torch.cuda.synchronize()
+        gpu_ms, host_us = time_replays(graph, GRAPH_REPLAYS)
         result[str(descriptor.num_tokens)] = {
-            "gpu_ms_per_replay": start.elapsed_time(end) / GRAPH_REPLAYS,
-            "host_us_per_replay_call": sorted(host)[len(host) // 2] * 1e6,
+            "gpu_ms_per_replay": gpu_ms,
+            "host_us_per_replay_call": host_us,
         }
     return result
+
+
+def time_replays(graph, replays: int) -> tuple[float, float]:
+    """Back-to-back replays of a captured graph: GPU ms per replay (events around them) and
+    the median host µs of one replay() call, which returns without waiting as long as the GPU
+    still works on the replays queued before it. Imports inside, like the functions run in
+    the engine's worker (sent by value through collective_rpc), which call it."""
+    import time
+
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = []
+    start.record()
+    for _ in range(replays):
+        t0 = time.perf_counter()
+        graph.replay()
+        host.append(time.perf_counter() - t0)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays, sorted(host)[len(host) // 2] * 1e6
 
 
 def take_timers(worker) -> dict[str, list[float]]:
