@@ -81,8 +81,11 @@ PROFILE_TOKENS = 64
 PROFILE_NS = (1, 2)
 # Last in each engine (the timers stay installed): one batch of the timed shape per N
 # with profile_host_loop.py's perf_counter wrappers on the engine core's phases, so the
-# host's time per step by phase comes from the benchmark's own host and engine.
-HOST_PHASE_NS = (1, 2)
+# host's time per step by phase comes from the benchmark's own host and engine. N = 4 and 8
+# too: whether the engine core waits for the GPU there tells a host-bound run from a
+# GPU-bound one (2026-12-04: N = 4 and 8 spread by 10% over three runs, unexplained);
+# one more batch each, ~20 s of device time per pair.
+HOST_PHASE_NS = (1, 2, 4, 8)
 # The phases decode.md shows (all are in decode.json), in the order of a step.
 HOST_PHASE_ROWS = (
     "runner.execute_model",
