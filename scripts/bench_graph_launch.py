@@ -14,7 +14,8 @@ PDL is on), so the numbers are the launch's, not any kernel's.
 
 For each node count K and PDL off / on: one graph of K launches; the GPU's time per replay
 (events around back-to-back replays) and the host's time of one replay() call, which only
-enqueues the graph (median over calls), then the least-squares host microseconds per node. Torch and Triton only (the GPU host's image, no vLLM):
+enqueues the graph (median over calls), then the least-squares host microseconds per node.
+Torch and Triton only (the GPU host's image, no vLLM):
 
     python3 scripts/bench_graph_launch.py --out-dir docs/perf
 """
