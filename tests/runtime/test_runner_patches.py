@@ -11,6 +11,15 @@
 - v1-runner-copy-a-step-s-positions-and-sequence-lengt: without async speculative decoding
   the step's positions and sequence lengths are the host's values, copied; with it they are
   still derived from the GPU's num_computed_tokens.
+- v1-runner-skip-GPU-fills-that-change-nothing-on-a-st: the padded block-table rows and
+  slot-mapping tokens are filled only when the step has any; without drafts
+  num_accepted_tokens is filled with ones once.
+- v1-runner-index-a-one-token-step-s-logits-rows-witho: when every request has one token the
+  logits indices are a slice of a constant arange and the sampled hidden states the first
+  rows, a view; other steps compute the indices and gather.
+- v1-runner-copy-to-the-GPU-only-the-step-inputs-a-rea: the discard mask reaches the GPU only
+  with speculative decoding (its drafters read it there), num_computed_tokens only with async
+  drafts.
 
 The "GPU" side of a BlockTable is a second CPU tensor here (device "cpu"), so a copy is seen
 as the GPU rows becoming the CPU rows.
@@ -23,6 +32,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 ROWS, BLOCKS = 4, 8
 SENTINEL = -5
@@ -286,3 +296,249 @@ def test_without_async_drafts_no_index_is_copied_to_the_gpu() -> None:
     assert (runner.req_indices.gpu == SENTINEL).all()
     assert (runner.query_pos.gpu == SENTINEL).all()
     assert runner.req_indices.np[:2].tolist() == [0, 1]  # the host's copy is kept
+
+
+# ------------------------------------------------------------ fills that change nothing
+class FillRecorder(TorchFunctionMode):
+    """Records the tensors every Tensor.fill_ call in its scope writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.filled: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.fill_:
+            self.filled.append(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+GROUPS = 3  # KV-cache groups (Kimi-Linear has four: one MLA, three KDA)
+
+
+def metadata_runner() -> Any:
+    """The runner state _get_slot_mappings and _build_attention_metadata read, for a model
+    whose every layer the model builds itself (so no backend builder runs); its "GPU"
+    tensors on the CPU, the block tables and slot mappings poisoned."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.utils import CpuGpuBuffer
+
+    def buffer(n: int, dtype: torch.dtype) -> Any:
+        return CpuGpuBuffer(n, dtype=dtype, device=torch.device("cpu"), pin_memory=False)
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    groups = [
+        SimpleNamespace(kv_cache_spec=spec, layer_names=[f"layers.{g}.attn"]) for g in range(GROUPS)
+    ]
+    tables = []
+    for _ in range(GROUPS):
+        rows = torch.full((MAX_REQS, BLOCKS), SENTINEL, dtype=torch.int32)
+        tables.append(
+            SimpleNamespace(
+                get_device_tensor=lambda n, rows=rows: rows[:n],
+                slot_mapping=SimpleNamespace(
+                    gpu=torch.full((MAX_TOKENS,), SENTINEL, dtype=torch.int64)
+                ),
+                rows=rows,
+            )
+        )
+    runner = SimpleNamespace(
+        kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
+        input_batch=SimpleNamespace(
+            block_table=tables,
+            num_computed_tokens_cpu_tensor=torch.zeros(MAX_REQS, dtype=torch.int32),
+            num_prompt_tokens_cpu_tensor=torch.zeros(MAX_REQS, dtype=torch.int32),
+        ),
+        optimistic_seq_lens_cpu=torch.ones(MAX_REQS, dtype=torch.int32),
+        routed_experts_initialized=False,
+        use_async_spec_decode=False,
+        is_mm_prefix_lm=False,
+        model_config=SimpleNamespace(rswa_window=None),
+        query_start_loc=buffer(MAX_REQS + 1, torch.int32),
+        seq_lens=torch.ones(MAX_REQS, dtype=torch.int32),
+        positions=torch.zeros(MAX_TOKENS, dtype=torch.int64),
+        dcp_world_size=1,
+        cache_config=SimpleNamespace(kv_sharing_fast_prefill=False),
+        speculative_config=None,
+        attn_groups=[[SimpleNamespace(layer_names=g.layer_names)] for g in groups],
+        _get_encoder_seq_lens=lambda *args, **kwargs: (None, None),
+    )
+    return runner
+
+
+def slot_mappings(runner: Any, num_tokens: int, padded: int) -> tuple[Any, list]:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    with FillRecorder() as recorder:
+        by_gid, _ = GPUModelRunner._get_slot_mappings(runner, padded, padded, num_tokens)
+    return by_gid, recorder.filled
+
+
+def build_metadata(runner: Any, num_reqs: int, padded: int) -> tuple[dict, list]:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    mappings, _ = GPUModelRunner._get_slot_mappings(runner, padded, padded, num_reqs)
+    layers = frozenset(f"layers.{g}.attn" for g in range(GROUPS))
+    with FillRecorder() as recorder:
+        metadata, _ = GPUModelRunner._build_attention_metadata(
+            runner,
+            num_tokens=num_reqs,
+            num_reqs=num_reqs,
+            max_query_len=1,
+            num_tokens_padded=padded,
+            num_reqs_padded=padded,
+            slot_mappings=mappings,
+            model_built_layers=layers,
+        )
+    return metadata, recorder.filled
+
+
+def test_a_step_without_padding_fills_no_slot_mapping() -> None:
+    runner = metadata_runner()
+    by_gid, filled = slot_mappings(runner, num_tokens=4, padded=4)
+    assert filled == []
+    assert all((by_gid[g] == SENTINEL).all() for g in range(GROUPS))
+
+
+def test_a_padded_step_marks_its_padded_slots() -> None:
+    runner = metadata_runner()
+    by_gid, filled = slot_mappings(runner, num_tokens=3, padded=4)
+    assert len(filled) == GROUPS
+    for g in range(GROUPS):
+        assert by_gid[g].tolist() == [SENTINEL] * 3 + [-1]
+
+
+def test_a_step_without_padding_fills_no_block_table_row() -> None:
+    runner = metadata_runner()
+    metadata, filled = build_metadata(runner, num_reqs=4, padded=4)
+    assert filled == []
+    for g in range(GROUPS):
+        table = metadata[f"layers.{g}.attn"].block_table_tensor
+        assert table.shape[0] == 4 and (table == SENTINEL).all()
+
+
+def test_a_padded_step_nulls_its_padded_block_table_rows() -> None:
+    from vllm.v1.worker.gpu_model_runner import NULL_BLOCK_ID
+
+    runner = metadata_runner()
+    metadata, filled = build_metadata(runner, num_reqs=3, padded=4)
+    assert len(filled) == GROUPS
+    for g in range(GROUPS):
+        table = metadata[f"layers.{g}.attn"].block_table_tensor
+        assert (table[:3] == SENTINEL).all() and (table[3] == NULL_BLOCK_ID).all()
+        assert (runner.input_batch.block_table[g].rows[4:] == SENTINEL).all()
+
+
+def accepted_runner(num_spec_tokens: int) -> Any:
+    from vllm.v1.utils import CpuGpuBuffer
+
+    buffers = CpuGpuBuffer(
+        MAX_REQS, dtype=torch.int32, device=torch.device("cpu"), pin_memory=False
+    )
+    buffers.np.fill(SENTINEL)
+    buffers.gpu.fill_(SENTINEL)
+    return SimpleNamespace(
+        num_spec_tokens=num_spec_tokens,
+        num_accepted_tokens=buffers,
+        _num_accepted_tokens_all_ones=False,
+    )
+
+
+@pytest.mark.parametrize("num_spec_tokens", [0, 2], ids=["no-drafts", "drafts"])
+def test_num_accepted_tokens_is_filled_again_only_with_drafts(num_spec_tokens: int) -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = accepted_runner(num_spec_tokens)
+    GPUModelRunner._fill_num_accepted_tokens_with_ones(runner)
+    assert (runner.num_accepted_tokens.gpu == 1).all()
+    assert (runner.num_accepted_tokens.np == 1).all()
+    # A drafts step would have written accepted counts here; without drafts nothing does.
+    runner.num_accepted_tokens.gpu[0] = 3
+    with FillRecorder() as recorder:
+        GPUModelRunner._fill_num_accepted_tokens_with_ones(runner)
+    if num_spec_tokens:
+        assert len(recorder.filled) == 1 and (runner.num_accepted_tokens.gpu == 1).all()
+    else:
+        assert recorder.filled == [] and runner.num_accepted_tokens.gpu[0] == 3
+
+
+# ------------------------------------------------------------ sampled hidden states
+def indices_runner() -> Any:
+    return SimpleNamespace(one_token_logits_indices=torch.arange(MAX_REQS, dtype=torch.int32))
+
+
+def test_a_one_token_steps_logits_indices_are_a_slice_of_the_constant_arange() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = indices_runner()
+    query_start_loc = torch.tensor([0, 1, 2, 3], dtype=torch.int32)  # 3 requests x 1 token
+    got = GPUModelRunner._last_token_indices(runner, query_start_loc, 3, 3)
+    assert torch.equal(got, query_start_loc[1:] - 1) and got.dtype == torch.int32
+    assert got.data_ptr() == runner.one_token_logits_indices.data_ptr()  # no GPU op
+
+
+def test_a_step_with_more_tokens_than_requests_computes_its_logits_indices() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    query_start_loc = torch.tensor([0, 2, 4, 5], dtype=torch.int32)  # 2, 2 and 1 tokens
+    got = GPUModelRunner._last_token_indices(indices_runner(), query_start_loc, 5, 3)
+    assert got.tolist() == [1, 3, 4]
+
+
+def test_a_one_token_step_samples_the_first_rows_as_a_view() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    hidden = torch.arange(24, dtype=torch.float32).reshape(6, 4)  # 6 padded token rows
+    logits_indices = torch.arange(3)  # what _prepare_inputs computes for 3 x 1 token
+    got = GPUModelRunner._sample_hidden_states(hidden, logits_indices, 3, 3)
+    assert torch.equal(got, hidden[logits_indices])
+    assert got.data_ptr() == hidden.data_ptr()  # a view: no gather ran
+
+
+def test_a_step_with_more_tokens_than_requests_gathers_its_rows() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    hidden = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    logits_indices = torch.tensor([1, 3, 4])  # requests of 2, 2 and 1 tokens
+    got = GPUModelRunner._sample_hidden_states(hidden, logits_indices, 5, 3)
+    assert got.tolist() == hidden[[1, 3, 4]].tolist()
+
+
+# ------------------------------------------------------ inputs no GPU reader needs
+def copies_runner(speculative: bool, async_spec_decode: bool) -> Any:
+    """The state the two copies read, their "GPU" sides poisoned."""
+    from vllm.v1.utils import CpuGpuBuffer
+
+    mask = CpuGpuBuffer(MAX_REQS, dtype=torch.bool, device=torch.device("cpu"), pin_memory=False)
+    mask.gpu.fill_(False)
+    mask.np[:3] = [True, False, True]
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace() if speculative else None,
+        use_async_spec_decode=async_spec_decode,
+        discard_request_mask=mask,
+        num_computed_tokens=torch.full((MAX_REQS,), SENTINEL, dtype=torch.int32),
+        input_batch=SimpleNamespace(
+            num_computed_tokens_cpu_tensor=torch.tensor([5, 9, 2, 0, 0, 0], dtype=torch.int32)
+        ),
+    )
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["no-drafts", "drafts"])
+def test_the_discard_mask_reaches_the_gpu_only_for_drafters(speculative: bool) -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = copies_runner(speculative, async_spec_decode=False)
+    GPUModelRunner._copy_discard_mask_to_gpu(runner, 3)
+    want = [True, False, True] if speculative else [False, False, False]
+    assert runner.discard_request_mask.gpu[:3].tolist() == want
+    assert runner.discard_request_mask.np[:3].tolist() == [True, False, True]  # host's kept
+
+
+@pytest.mark.parametrize("async_spec_decode", [False, True], ids=["host", "async-drafts"])
+def test_computed_tokens_reach_the_gpu_only_for_async_drafts(async_spec_decode: bool) -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = copies_runner(True, async_spec_decode)
+    GPUModelRunner._copy_num_computed_tokens_to_gpu(runner, 3)
+    want = [5, 9, 2] if async_spec_decode else [SENTINEL] * 3
+    assert runner.num_computed_tokens[:3].tolist() == want
+    assert (runner.num_computed_tokens[3:] == SENTINEL).all()
