@@ -1,27 +1,31 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Host time of one CUDA graph replay against the graph's kernel-node count, with and
-without programmatic dependent launch (PDL).
+"""Host time of one CUDA graph replay against the graph's kernel-node count and the kind of
+node, with and without programmatic dependent launch (PDL).
 
-The specialized decode replays one FULL graph of ~245 kernel nodes per step, every one
-launched with PDL, and at 1-2 requests vLLM's host loop, of which that replay() call is a
-part (51-137 us per call on the hosts of 2026-12-01), bounds the step on most H200 hosts
-(`docs/perf/host_loop.md`). This measures how the call's host time grows with the node count
-and whether PDL edges cost more to launch than plain ones, on chains of a trivial one-CTA
-Triton kernel (it waits for its predecessor and releases its successor like ours do when
-PDL is on), so the numbers are the launch's, not any kernel's.
+The specialized decode replays one FULL graph of ~241 kernel nodes per step, nearly all of
+them CuTe DSL kernels launched with PDL, and its replay() call took 52-63 us of host time on
+2026-12-04's host, while a graph of up to 512 one-CTA Triton nodes took 4-7 us whatever its
+node count (`docs/perf/host_loop.md`). So the node count is not the cost; this measures which
+kind of node is: chains of a trivial one-CTA kernel (it waits for its predecessor and
+releases its successor when PDL is on, like ours), in three kinds:
 
-For each node count K and PDL off / on: one graph of K launches; the GPU's time per replay
-(events around back-to-back replays) and the host's time of one replay() call, which only
-enqueues the graph (median over calls), then the least-squares host microseconds per node.
-Torch and Triton only (the GPU host's image, no vLLM):
+- `triton`: a Triton kernel with one pointer argument;
+- `triton_args`: a Triton kernel with 16 pointer arguments (a larger parameter block);
+- `cute`: a CuTe DSL kernel (`cute.compile`, raw pointer and stream arguments, launched like
+  `kernels/`'s), skipped with the reason where cutlass is not installed.
 
-    python3 scripts/bench_graph_launch.py --out-dir docs/perf
+For each kind, node count K and PDL off / on: one graph of K launches; the GPU's time per
+replay (events around back-to-back replays) and the host's time of one replay() call, which
+only enqueues the graph (median over calls), then the least-squares host microseconds per
+node. Torch and Triton, plus cutlass for `cute` (the vllm bundle has it):
+
+    python3 scripts/bench_graph_launch.py --out-dir docs/perf [--kinds triton,cute]
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: CuTe DSL reads the kernel's annotations
+# (cute.Pointer, cuda.CUstream) as objects, and cutlass is imported inside `cute_tick` only.
 import argparse
 import datetime
 import json
@@ -32,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_host_loop import time_replays  # noqa: E402
 
 NODE_COUNTS = (1, 16, 64, 128, 256, 512)
+KINDS = ("triton", "triton_args", "cute")
 # Replays per measurement (few enough that the launch queue never fills, so no replay() call
 # waits for the GPU).
 REPLAYS = 200
@@ -50,43 +55,47 @@ def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per PDL setting: the host us per replay at each K and the fitted us per node."""
+    """Per kind and PDL setting ("triton, pdl"): the fitted host us per node and fixed host
+    us per replay, and the GPU us per node."""
     out = {}
-    for pdl in (False, True):
-        mine = sorted((r for r in rows if r["pdl"] is pdl), key=lambda r: r["nodes"])
-        if len(mine) < 2:
-            continue
-        base, per_node = linear_fit(
-            [r["nodes"] for r in mine], [r["host_us_per_replay"] for r in mine]
-        )
-        _, gpu_per_node = linear_fit(
-            [r["nodes"] for r in mine], [r["gpu_us_per_replay"] for r in mine]
-        )
-        out["pdl" if pdl else "plain"] = {
-            "host_us_per_node": per_node,
-            "host_us_fixed": base,
-            "gpu_us_per_node": gpu_per_node,
-        }
+    for kind in dict.fromkeys(r.get("kind", "triton") for r in rows):
+        for pdl in (False, True):
+            mine = sorted(
+                (r for r in rows if r.get("kind", "triton") == kind and r["pdl"] is pdl),
+                key=lambda r: r["nodes"],
+            )
+            if len(mine) < 2:
+                continue
+            nodes = [r["nodes"] for r in mine]
+            base, per_node = linear_fit(nodes, [r["host_us_per_replay"] for r in mine])
+            _, gpu_per_node = linear_fit(nodes, [r["gpu_us_per_replay"] for r in mine])
+            out[f"{kind}, {'pdl' if pdl else 'plain'}"] = {
+                "host_us_per_node": per_node,
+                "host_us_fixed": base,
+                "gpu_us_per_node": gpu_per_node,
+            }
     return out
 
 
 def write_markdown(data: dict, path: Path) -> None:
     lines = [
-        "# CUDA graph replay: host time against kernel-node count (H200)",
+        "# CUDA graph replay: host time against kernel-node count and kind (H200)",
         "",
         f"{data['gpu']}, {data['date']}, torch {data['torch']}, triton {data['triton']}, "
         f"`{data['command']}`.",
         "",
         f"Method: {data['method']}",
         "",
-        "| nodes | PDL | host us per replay() | GPU us per replay |",
-        "|---|---|---|---|",
+        "| kind | nodes | PDL | host us per replay() | GPU us per replay |",
+        "|---|---|---|---|---|",
     ]
     for r in data["rows"]:
         lines.append(
-            f"| {r['nodes']} | {'on' if r['pdl'] else 'off'} | {r['host_us_per_replay']:.1f} | "
-            f"{r['gpu_us_per_replay']:.1f} |"
+            f"| {r.get('kind', 'triton')} | {r['nodes']} | {'on' if r['pdl'] else 'off'} | "
+            f"{r['host_us_per_replay']:.1f} | {r['gpu_us_per_replay']:.1f} |"
         )
+    for kind, reason in data.get("skipped", {}).items():
+        lines.append(f"\n`{kind}` not measured: {reason}")
     lines += ["", "Least-squares fit over the node counts:", ""]
     for name, fit in data["summary"].items():
         lines.append(
@@ -96,13 +105,13 @@ def write_markdown(data: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-_TICK: list = []
+_KERNELS: dict = {}
 
 
-def _tick_kernel():
-    """The one-CTA kernel, defined on first use (triton is not imported on CPU-only
+def _triton_kernels() -> dict:
+    """The one-CTA Triton kernels, defined on first use (triton is not imported on CPU-only
     machines, where the report helpers above are tested) and compiled once per PDL mode."""
-    if not _TICK:
+    if "triton" not in _KERNELS:
         import triton
         import triton.language as tl
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -115,23 +124,108 @@ def _tick_kernel():
             if USE_PDL:
                 gdc_launch_dependents()
 
-        _TICK.append(tick)
-    return _TICK[0]
+        # Sixteen pointers, each read, so that none is pruned from the parameter block.
+        @triton.jit
+        def tick_args(
+            ptr, p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15,
+            USE_PDL: tl.constexpr,
+        ):  # fmt: skip
+            if USE_PDL:
+                gdc_wait()
+            zero = (
+                tl.load(p0) + tl.load(p1) + tl.load(p2) + tl.load(p3) + tl.load(p4)
+                + tl.load(p5) + tl.load(p6) + tl.load(p7) + tl.load(p8) + tl.load(p9)
+                + tl.load(p10) + tl.load(p11) + tl.load(p12) + tl.load(p13) + tl.load(p14)
+                + tl.load(p15)
+            )  # fmt: skip
+            tl.store(ptr, tl.load(ptr) + 1 + zero)
+            if USE_PDL:
+                gdc_launch_dependents()
+
+        _KERNELS["triton"] = tick
+        _KERNELS["triton_args"] = tick_args
+    return _KERNELS
 
 
-def _measure(nodes: int, pdl: bool) -> dict:
+def cute_tick(pdl: bool):
+    """The one-CTA CuTe DSL kernel adding 1 to ``count[0]`` (``cute.compile`` it with a raw
+    Int32 pointer and a stream, as `kernels/` launch theirs); cutlass is imported here so
+    that the report helpers above need only the standard library."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+
+    class CuteTick:
+        @cute.jit
+        def __call__(self, ptr: cute.Pointer, stream: cuda.CUstream):
+            self.kernel(ptr).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream, use_pdl=pdl)
+
+        @cute.kernel
+        def kernel(self, ptr: cute.Pointer):
+            tidx, _, _ = cute.arch.thread_idx()
+            if cutlass.const_expr(pdl):
+                cute.arch.griddepcontrol_wait()
+            count = cute.make_tensor(ptr, cute.make_layout((1,)))
+            if tidx == 0:
+                count[0] = count[0] + 1
+            if cutlass.const_expr(pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+
+    return CuteTick()
+
+
+def _cute_launcher(counter, pdl: bool):
+    """Compile ``cute_tick`` for ``counter`` and return a launch on the current stream."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
     import torch
 
-    tick = _tick_kernel()
+    def stream():
+        return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+    ptr = cute.runtime.make_ptr(
+        cutlass.Int32, counter.data_ptr(), cute.AddressSpace.gmem, assumed_align=4
+    )
+    compiled = cute.compile(cute_tick(pdl), ptr, stream())
+    return lambda: compiled(ptr, stream())
+
+
+def _launcher(kind: str, counter, pdl: bool):
+    """A function that launches one node of ``kind`` adding 1 to ``counter[0]``."""
+    import torch
+
+    if kind == "cute":
+        return _cute_launcher(counter, pdl)
+    kernel = _triton_kernels()[kind]
+    if kind == "triton":
+        return lambda: kernel[(1,)](counter, USE_PDL=pdl, launch_pdl=pdl)
+    zeros = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(16)]
+    return lambda: kernel[(1,)](counter, *zeros, USE_PDL=pdl, launch_pdl=pdl)
+
+
+def cute_unavailable() -> str | None:
+    """Why the `cute` kind cannot run here, or None."""
+    try:
+        import cutlass.cute  # noqa: F401
+    except ImportError as exc:
+        return f"cutlass (nvidia-cutlass-dsl) does not import: {exc}"
+    return None
+
+
+def _measure(kind: str, nodes: int, pdl: bool) -> dict:
+    import torch
+
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        tick[(1,)](counter, USE_PDL=pdl, launch_pdl=pdl)  # compile outside the capture
+        launch = _launcher(kind, counter, pdl)
+        launch()  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(nodes):
-                tick[(1,)](counter, USE_PDL=pdl, launch_pdl=pdl)
+                launch()
         counter.zero_()
         for _ in range(WARMUP_REPLAYS):
             graph.replay()
@@ -139,8 +233,9 @@ def _measure(nodes: int, pdl: bool) -> dict:
         gpu_ms, host_us = time_replays(graph, REPLAYS)
     replays = WARMUP_REPLAYS + REPLAYS
     if int(counter.item()) != nodes * replays:  # every node ran, in order, every replay
-        raise RuntimeError(f"{nodes} nodes, PDL {pdl}: counter {counter.item()}")
+        raise RuntimeError(f"{kind}, {nodes} nodes, PDL {pdl}: counter {counter.item()}")
     return {
+        "kind": kind,
         "nodes": nodes,
         "pdl": pdl,
         "host_us_per_replay": host_us,
@@ -152,7 +247,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--nodes", default=",".join(map(str, NODE_COUNTS)))
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"subset of {','.join(KINDS)}")
     args = ap.parse_args()
+    kinds = args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        ap.error(f"unknown kinds {unknown}: choose from {list(KINDS)}")
 
     import torch
     import triton
@@ -160,31 +260,39 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU", flush=True)
         return 2
+    skipped = {}
+    if "cute" in kinds and (reason := cute_unavailable()):
+        skipped["cute"] = reason
+        kinds.remove("cute")
+        print(f"cute: skipped, {reason}", flush=True)
     rows = []
-    for nodes in (int(n) for n in args.nodes.split(",")):
-        for pdl in (False, True):
-            rows.append(_measure(nodes, pdl))
-            r = rows[-1]
-            print(
-                f"nodes {nodes:4d} PDL {'on ' if pdl else 'off'}: host "
-                f"{r['host_us_per_replay']:7.1f} us per replay(), GPU "
-                f"{r['gpu_us_per_replay']:8.1f} us per replay",
-                flush=True,
-            )
+    for kind in kinds:
+        for nodes in (int(n) for n in args.nodes.split(",")):
+            for pdl in (False, True):
+                rows.append(_measure(kind, nodes, pdl))
+                r = rows[-1]
+                print(
+                    f"{kind:11s} nodes {nodes:4d} PDL {'on ' if pdl else 'off'}: host "
+                    f"{r['host_us_per_replay']:7.1f} us per replay(), GPU "
+                    f"{r['gpu_us_per_replay']:8.1f} us per replay",
+                    flush=True,
+                )
     data = {
         "summary": summarize(rows),
         "rows": rows,
+        "skipped": skipped,
         "method": (
-            f"one graph of K launches of a one-CTA Triton kernel (load, add, store; with PDL "
-            f"it waits for its predecessor and releases its successor), {WARMUP_REPLAYS} "
-            f"warm-up then {REPLAYS} back-to-back replays; host = median perf_counter time "
-            "of one replay() call, GPU = events around the replays / count"
+            f"one graph of K launches of a one-CTA kernel (load, add, store; with PDL it "
+            f"waits for its predecessor and releases its successor) of each kind (triton: "
+            f"one pointer argument; triton_args: 16; cute: a CuTe DSL kernel), "
+            f"{WARMUP_REPLAYS} warm-up then {REPLAYS} back-to-back replays; host = median "
+            "perf_counter time of one replay() call, GPU = events around the replays / count"
         ),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": f"python3 scripts/bench_graph_launch.py --out-dir {args.out_dir}",
+        "command": " ".join(["python3", "scripts/bench_graph_launch.py", *sys.argv[1:]]),
     }
     print(json.dumps(data["summary"], indent=2), flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,10 @@ Writes <out-dir>/host_loop-<backend>-<runner>.json (inter-token latency, the GPU
 share and, per wrapped phase, microseconds per decode step and per call, for each N; the
 graph replay times) and
 host_loop-<backend>-<runner>-cprofile.txt (cProfile of one N = 1 request, by cumulative and
-by own time). Prints the table. `--runner v2` runs vLLM's Model Runner V2, whose host loop
-is built to be leaner; stock Kimi-Linear on it tells whether supporting it is worth it.
+by own time, and the callers of the functions of most own time) with the same profile in
+pstats' format beside it (-cprofile.prof: `python3 -m pstats FILE`). Prints the table.
+`--runner v2` runs vLLM's Model Runner V2, whose host loop is built to be leaner; stock
+Kimi-Linear on it tells whether supporting it is worth it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ CPROFILE_TOKENS = 128
 GPU_TRACE_TOKENS = 128
 GPU_WINDOW_SKIP = 0.2
 CPROFILE_ROWS = 70
+# Functions of most own time whose callers the text lists.
+CPROFILE_CALLER_ROWS = 25
 # (owner, method): the engine core's loop iteration and step, the scheduler's two calls and
 # the model runner's phases of a step (vLLM 0.26.0 names; a missing one is reported, not
 # fatal, so the script survives a rebase).
@@ -229,8 +233,12 @@ def start_cprofile(worker) -> None:
     worker._hd_cprofile.enable()
 
 
-def stop_cprofile(worker) -> str:
+def stop_cprofile(worker) -> tuple[str, bytes]:
+    """The profile as text (by cumulative and by own time, then who called the functions
+    of most own time: a builtin such as ``Tensor.to`` says nothing without its callers) and
+    as pstats' own file format (``pstats.Stats(path)`` reads it back for any other view)."""
     import io
+    import marshal
     import pstats
 
     worker._hd_cprofile.disable()
@@ -238,7 +246,8 @@ def stop_cprofile(worker) -> str:
     stats = pstats.Stats(worker._hd_cprofile, stream=text)
     stats.sort_stats("cumulative").print_stats(CPROFILE_ROWS)
     stats.sort_stats("tottime").print_stats(CPROFILE_ROWS)
-    return text.getvalue()
+    stats.print_callers(CPROFILE_CALLER_ROWS)
+    return text.getvalue(), marshal.dumps(stats.stats)
 
 
 def start_cuda_trace(worker) -> None:
@@ -296,7 +305,7 @@ def phase_table(samples: dict[str, list[float]], steps: int) -> dict[str, dict]:
 
 def run(
     model_dir: Path, backend: str, runner: str, ns: list[int], tokens: int = TOKENS
-) -> tuple[dict, str]:
+) -> tuple[dict, str, bytes]:
     import asyncio
 
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -306,7 +315,7 @@ def run(
     async def batch(tag: str, n: int, max_tokens: int) -> list:
         return await stream_batch(engine, tag, n, PROMPT_TOKENS, max_tokens)
 
-    async def main() -> tuple[dict, str]:
+    async def main() -> tuple[dict, str, bytes]:
         result = {"backend": backend, "runner": runner, "tokens": tokens, "per_n": {}}
         await batch("settle", 1, tokens)
         result["missing_phases"] = (await engine.collective_rpc(install_timers))[0]
@@ -329,8 +338,8 @@ def run(
         print(f"{backend} graph replays: {result['graph_replays']}", flush=True)
         await engine.collective_rpc(start_cprofile)
         await batch("cprofile", 1, CPROFILE_TOKENS)
-        text = (await engine.collective_rpc(stop_cprofile))[0]
-        return result, text
+        text, raw = (await engine.collective_rpc(stop_cprofile))[0]
+        return result, text, raw
 
     try:
         return asyncio.run(main())
@@ -410,13 +419,14 @@ def main() -> int:
     # collective_rpc with functions needs vLLM's pickle-based serialization.
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     ns = [int(n) for n in args.n.split(",")]
-    result, text = run(args.model_dir, args.backend, args.runner, ns, args.tokens)
+    result, text, raw = run(args.model_dir, args.backend, args.runner, ns, args.tokens)
     # Which wheel and host: an A/B of two wheels on one host compares two of these files.
     result["host"] = host_facts(" ".join(sys.argv))
     name = f"host_loop-{args.backend}-{args.runner}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
     (args.out_dir / f"{name}-cprofile.txt").write_text(text)
+    (args.out_dir / f"{name}-cprofile.prof").write_bytes(raw)
     for n, row in result["per_n"].items():
         idle = row["gpu"]["idle_share"]
         print(

@@ -611,3 +611,29 @@ def test_host_loop_compare_lines_up_the_phases_of_two_wheels():
     assert "N = 1: inter-token latency 2.295 -> 2.230 ms (-65.0 µs)" in lines
     assert "| `runner._prepare_inputs` | 1.00 | 563.0 | 500.5 | -62.5 |" in lines
     assert "\nTimed in one run only: new.phase." in lines
+
+
+def test_host_loop_cprofile_names_the_callers_and_keeps_the_profile_for_later(tmp_path):
+    import pstats
+    import types
+
+    import profile_host_loop as host_loop
+
+    def leaf(n):
+        return sum(range(n))
+
+    def caller_of_leaf():
+        return [leaf(2000) for _ in range(50)]
+
+    worker = types.SimpleNamespace()
+    host_loop.start_cprofile(worker)
+    caller_of_leaf()
+    text, raw = host_loop.stop_cprofile(worker)
+    assert "was called by" in text
+    callers = text[text.index("was called by") :]
+    assert "(leaf)" in callers and "(caller_of_leaf)" in callers
+    path = tmp_path / "host_loop-cprofile.prof"
+    path.write_bytes(raw)
+    stats = pstats.Stats(str(path))
+    leaf_calls = [v[1] for k, v in stats.stats.items() if k[2] == "leaf"]
+    assert leaf_calls == [50]
