@@ -49,8 +49,7 @@ def test_a_fit_needs_two_distinct_node_counts():
     assert bench.summarize(only_one) == {}
 
 
-def test_report_lists_every_row_and_both_fits(tmp_path: Path):
-    rows = _rows()
+def _report(tmp_path: Path, rows: list[dict], **extra) -> str:
     data = {
         "summary": bench.summarize(rows),
         "rows": rows,
@@ -60,29 +59,23 @@ def test_report_lists_every_row_and_both_fits(tmp_path: Path):
         "triton": "3.6.0",
         "date": "2026-12-04T00:00:00+00:00",
         "command": "python3 scripts/bench_graph_launch.py --out-dir x",
+        **extra,
     }
     bench.write_markdown(data, tmp_path / "graph_launch.md")
-    text = (tmp_path / "graph_launch.md").read_text()
+    return (tmp_path / "graph_launch.md").read_text()
+
+
+def test_report_lists_every_row_and_both_fits(tmp_path: Path):
+    rows = _rows()
+    text = _report(tmp_path, rows)
     assert "| triton | 256 | on | 108.4 | 384.0 |" in text
     assert "- triton, pdl: host 6.0 us + 0.400 us per node; GPU 1.500 us per node" in text
     assert text.count("\n| ") == 1 + len(rows)  # the header and one line per row
 
 
 def test_report_names_a_skipped_kind_and_why(tmp_path: Path):
-    rows = _rows()
-    data = {
-        "summary": bench.summarize(rows),
-        "rows": rows,
-        "skipped": {"cute": "cutlass (nvidia-cutlass-dsl) does not import: no module"},
-        "method": "m",
-        "gpu": "NVIDIA H200",
-        "torch": "2.11.0",
-        "triton": "3.6.0",
-        "date": "2026-12-04T00:00:00+00:00",
-        "command": "python3 scripts/bench_graph_launch.py --out-dir x",
-    }
-    bench.write_markdown(data, tmp_path / "graph_launch.md")
-    text = (tmp_path / "graph_launch.md").read_text()
+    skipped = {"cute": "cutlass (nvidia-cutlass-dsl) does not import: no module"}
+    text = _report(tmp_path, _rows(), skipped=skipped)
     assert "`cute` not measured: cutlass (nvidia-cutlass-dsl) does not import" in text
 
 
