@@ -175,7 +175,8 @@ def cute_tick(pdl: bool):
 
 
 def _cute_launcher(counter, pdl: bool):
-    """Compile ``cute_tick`` for ``counter`` and return a launch on the current stream."""
+    """A launch of ``cute_tick`` for ``counter`` on the current stream (compiled once per PDL
+    mode: the pointer is a runtime argument)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -187,7 +188,9 @@ def _cute_launcher(counter, pdl: bool):
     ptr = cute.runtime.make_ptr(
         cutlass.Int32, counter.data_ptr(), cute.AddressSpace.gmem, assumed_align=4
     )
-    compiled = cute.compile(cute_tick(pdl), ptr, stream())
+    if ("cute", pdl) not in _KERNELS:
+        _KERNELS["cute", pdl] = cute.compile(cute_tick(pdl), ptr, stream())
+    compiled = _KERNELS["cute", pdl]
     return lambda: compiled(ptr, stream())
 
 
