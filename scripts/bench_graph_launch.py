@@ -14,7 +14,9 @@ releases its successor when PDL is on, like ours), in three kinds:
 - `triton`: a Triton kernel with one pointer argument;
 - `triton_args`: a Triton kernel with 16 pointer arguments (a larger parameter block);
 - `cute`: a CuTe DSL kernel (`cute.compile`, raw pointer and stream arguments, launched like
-  `kernels/`'s), skipped with the reason where cutlass is not installed.
+  `kernels/`'s), skipped with the reason where cutlass is not installed;
+- `cute_cluster`: the same kernel launched as one thread-block cluster of 2 CTAs (the
+  GEMMs' split-K and the router launch clusters; only CTA 0 adds).
 
 For each kind, node count K and PDL off / on: one graph of K launches; the GPU's time per
 replay (events around back-to-back replays) and the host's time of one replay() call, which
@@ -36,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_host_loop import time_replays  # noqa: E402
 
 NODE_COUNTS = (1, 16, 64, 128, 256, 512)
-KINDS = ("triton", "triton_args", "cute")
+KINDS = ("triton", "triton_args", "cute", "cute_cluster")
+# CTAs of the `cute_cluster` node's one cluster (the GEMMs' split-K clusters are 2-4 CTAs).
+CLUSTER_CTAS = 2
 # Replays per measurement (few enough that the launch queue never fills, so no replay() call
 # waits for the GPU).
 REPLAYS = 200
@@ -147,10 +151,11 @@ def _triton_kernels() -> dict:
     return _KERNELS
 
 
-def cute_tick(pdl: bool):
-    """The one-CTA CuTe DSL kernel adding 1 to ``count[0]`` (``cute.compile`` it with a raw
-    Int32 pointer and a stream, as `kernels/` launch theirs); cutlass is imported here so
-    that the report helpers above need only the standard library."""
+def cute_tick(pdl: bool, cluster_ctas: int = 1):
+    """The CuTe DSL kernel whose CTA 0 adds 1 to ``count[0]``, launched as one CTA or as one
+    cluster of ``cluster_ctas`` (``cute.compile`` it with a raw Int32 pointer and a stream,
+    as `kernels/` launch theirs); cutlass is imported here so that the report helpers above
+    need only the standard library."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -158,15 +163,27 @@ def cute_tick(pdl: bool):
     class CuteTick:
         @cute.jit
         def __call__(self, ptr: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(ptr).launch(grid=[1, 1, 1], block=[32, 1, 1], stream=stream, use_pdl=pdl)
+            if cutlass.const_expr(cluster_ctas > 1):
+                self.kernel(ptr).launch(
+                    grid=[cluster_ctas, 1, 1],
+                    block=[32, 1, 1],
+                    cluster=[cluster_ctas, 1, 1],
+                    stream=stream,
+                    use_pdl=pdl,
+                )
+            else:
+                self.kernel(ptr).launch(
+                    grid=[1, 1, 1], block=[32, 1, 1], stream=stream, use_pdl=pdl
+                )
 
         @cute.kernel
         def kernel(self, ptr: cute.Pointer):
             tidx, _, _ = cute.arch.thread_idx()
+            cta, _, _ = cute.arch.block_idx()
             if cutlass.const_expr(pdl):
                 cute.arch.griddepcontrol_wait()
             count = cute.make_tensor(ptr, cute.make_layout((1,)))
-            if tidx == 0:
+            if tidx + cta == 0:  # thread 0 of CTA 0 (both indices are >= 0)
                 count[0] = count[0] + 1
             if cutlass.const_expr(pdl):
                 cute.arch.griddepcontrol_launch_dependents()
@@ -174,9 +191,9 @@ def cute_tick(pdl: bool):
     return CuteTick()
 
 
-def _cute_launcher(counter, pdl: bool):
+def _cute_launcher(counter, pdl: bool, cluster_ctas: int):
     """A launch of ``cute_tick`` for ``counter`` on the current stream (compiled once per PDL
-    mode: the pointer is a runtime argument)."""
+    mode and cluster size: the pointer is a runtime argument)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -188,9 +205,10 @@ def _cute_launcher(counter, pdl: bool):
     ptr = cute.runtime.make_ptr(
         cutlass.Int32, counter.data_ptr(), cute.AddressSpace.gmem, assumed_align=4
     )
-    if ("cute", pdl) not in _KERNELS:
-        _KERNELS["cute", pdl] = cute.compile(cute_tick(pdl), ptr, stream())
-    compiled = _KERNELS["cute", pdl]
+    key = ("cute", pdl, cluster_ctas)
+    if key not in _KERNELS:
+        _KERNELS[key] = cute.compile(cute_tick(pdl, cluster_ctas), ptr, stream())
+    compiled = _KERNELS[key]
     return lambda: compiled(ptr, stream())
 
 
@@ -199,7 +217,9 @@ def _launcher(kind: str, counter, pdl: bool):
     import torch
 
     if kind == "cute":
-        return _cute_launcher(counter, pdl)
+        return _cute_launcher(counter, pdl, 1)
+    if kind == "cute_cluster":
+        return _cute_launcher(counter, pdl, CLUSTER_CTAS)
     kernel = _triton_kernels()[kind]
     if kind == "triton":
         return lambda: kernel[(1,)](counter, USE_PDL=pdl, launch_pdl=pdl)
@@ -208,7 +228,7 @@ def _launcher(kind: str, counter, pdl: bool):
 
 
 def cute_unavailable() -> str | None:
-    """Why the `cute` kind cannot run here, or None."""
+    """Why the `cute` kinds cannot run here, or None."""
     try:
         import cutlass.cute  # noqa: F401
     except ImportError as exc:
@@ -264,10 +284,12 @@ def main() -> int:
         print("error: needs a CUDA GPU", flush=True)
         return 2
     skipped = {}
-    if "cute" in kinds and (reason := cute_unavailable()):
-        skipped["cute"] = reason
-        kinds.remove("cute")
-        print(f"cute: skipped, {reason}", flush=True)
+    cute_kinds = [kind for kind in kinds if kind.startswith("cute")]
+    if cute_kinds and (reason := cute_unavailable()):
+        for kind in cute_kinds:
+            skipped[kind] = reason
+            kinds.remove(kind)
+            print(f"{kind}: skipped, {reason}", flush=True)
     rows = []
     for kind in kinds:
         for nodes in (int(n) for n in args.nodes.split(",")):
@@ -287,7 +309,8 @@ def main() -> int:
         "method": (
             f"one graph of K launches of a one-CTA kernel (load, add, store; with PDL it "
             f"waits for its predecessor and releases its successor) of each kind (triton: "
-            f"one pointer argument; triton_args: 16; cute: a CuTe DSL kernel), "
+            f"one pointer argument; triton_args: 16; cute: a CuTe DSL kernel; cute_cluster: "
+            f"the same as one cluster of {CLUSTER_CTAS} CTAs), "
             f"{WARMUP_REPLAYS} warm-up then {REPLAYS} back-to-back replays; host = median "
             "perf_counter time of one replay() call, GPU = events around the replays / count"
         ),
