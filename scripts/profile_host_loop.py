@@ -426,7 +426,8 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
     (args.out_dir / f"{name}-cprofile.txt").write_text(text)
-    (args.out_dir / f"{name}-cprofile.prof").write_bytes(raw)
+    # bytes() also takes what the engine's RPC encoding may hand back for bytes (a buffer).
+    (args.out_dir / f"{name}-cprofile.prof").write_bytes(bytes(raw))
     for n, row in result["per_n"].items():
         idle = row["gpu"]["idle_share"]
         print(
