@@ -19,7 +19,7 @@ Results of 2026-12-01: docs/perf/host_loop.md.
 
 Writes <out-dir>/host_loop-<backend>-<runner>.json (inter-token latency, the GPU's idle
 share and, per wrapped phase, microseconds per decode step and per call, for each N; the
-graph replay times) and
+graph replay times and the kinds of node a replay runs) and
 host_loop-<backend>-<runner>-cprofile.txt (cProfile of one N = 1 request, by cumulative and
 by own time, and the callers of the functions of most own time) with the same profile in
 pstats' format beside it (-cprofile.prof: `python3 -m pstats FILE`). Prints the table.
@@ -172,8 +172,9 @@ def install_timers(worker) -> list[str]:
 
 def time_graph_replays(worker) -> dict[str, dict]:
     """Per captured FULL decode graph of a size in GRAPH_SIZES: GPU milliseconds per replay
-    over GRAPH_REPLAYS back-to-back replays (events), and the host microseconds one
-    replay() call takes when the GPU is busy. Run with no request in flight: the replays
+    over GRAPH_REPLAYS back-to-back replays (events), the host microseconds one
+    replay() call takes when the GPU is busy, and the kinds of node one replay runs
+    (``replay_census``). Run with no request in flight: the replays
     rewrite the last step's cache rows and states, which nothing reads any more."""
     import torch
 
@@ -195,8 +196,54 @@ def time_graph_replays(worker) -> dict[str, dict]:
         result[str(descriptor.num_tokens)] = {
             "gpu_ms_per_replay": gpu_ms,
             "host_us_per_replay_call": host_us,
+            "nodes": replay_census(graph),
         }
     return result
+
+
+def replay_census(graph) -> dict[str, int]:
+    """What one replay of ``graph`` runs, from a kernel-only trace of it: the replay() call
+    costs the host ~50 µs for a decode graph against ~5 µs for a graph of 512 Triton nodes
+    (`docs/perf/graph_launch.md`), so which kinds of node it holds is the question."""
+    import json
+    import tempfile
+
+    import torch
+
+    trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    with trace:
+        graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        trace.export_chrome_trace(f.name)
+        with open(f.name) as events:
+            return node_census(json.load(events)["traceEvents"])
+
+
+def node_census(events: list[dict]) -> dict[str, int]:
+    """Counts of a trace's GPU activities: kernels by who wrote them (CuTe DSL, cuBLAS,
+    Triton, torch, other), memory copies and memsets."""
+    counts: dict[str, int] = {}
+    for event in events:
+        kind = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}.get(
+            event.get("cat", "")
+        )
+        if kind is None:
+            continue
+        if kind == "kernel":
+            name = event.get("name", "")
+            if name.startswith("cutedsl/"):
+                kind = "kernel: CuTe DSL"
+            elif name.startswith("nvjet") or "cublas" in name.lower():
+                kind = "kernel: cuBLAS"
+            elif name.startswith("triton_") or name.startswith("_"):
+                kind = "kernel: Triton"
+            elif "at::native" in name:
+                kind = "kernel: torch"
+            else:
+                kind = "kernel: other"
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def time_replays(graph, replays: int) -> tuple[float, float]:
@@ -443,7 +490,8 @@ def main() -> int:
         if isinstance(row, dict):
             print(
                 f"graph N = {n}: GPU {row['gpu_ms_per_replay']:.3f} ms per replay, "
-                f"replay() call {row['host_us_per_replay_call']:.1f} us"
+                f"replay() call {row['host_us_per_replay_call']:.1f} us, "
+                f"nodes {row.get('nodes')}"
             )
     if result["missing_phases"]:
         print(f"not wrapped (not found): {result['missing_phases']}")

@@ -637,3 +637,31 @@ def test_host_loop_cprofile_names_the_callers_and_keeps_the_profile_for_later(tm
     stats = pstats.Stats(str(path))
     leaf_calls = [v[1] for k, v in stats.stats.items() if k[2] == "leaf"]
     assert leaf_calls == [50]
+
+
+def test_host_loop_node_census_sorts_a_replays_activities_by_kind():
+    import profile_host_loop as host_loop
+
+    events = [
+        {"cat": "kernel", "name": "cutedsl/gemmkernelSkinnyGemmKernel"},
+        {"cat": "kernel", "name": "cutedsl/moekernelMoeRouterKernel"},
+        {"cat": "kernel", "name": "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT"},
+        {"cat": "kernel", "name": "void cublasLt::splitKreduce_kernel<32, 16>"},
+        {"cat": "kernel", "name": "triton_poi_fused_mul_silu_slice_0"},
+        {"cat": "kernel", "name": "_compute_slot_mapping_kernel"},
+        {"cat": "kernel", "name": "void at::native::reduce_kernel<512, 1>"},
+        {"cat": "kernel", "name": "void flash::compute_attn"},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)"},
+        {"cat": "gpu_memset", "name": "Memset (Device)"},
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch"},
+        {"ph": "M", "name": "process_name"},
+    ]
+    assert host_loop.node_census(events) == {
+        "kernel: CuTe DSL": 2,
+        "kernel: Triton": 2,
+        "kernel: cuBLAS": 2,
+        "kernel: other": 1,
+        "kernel: torch": 1,
+        "memcpy": 1,
+        "memset": 1,
+    }
