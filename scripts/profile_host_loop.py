@@ -57,6 +57,8 @@ GPU_WINDOW_SKIP = 0.2
 CPROFILE_ROWS = 70
 # Functions of most own time whose callers the text lists.
 CPROFILE_CALLER_ROWS = 25
+# A Chrome trace's GPU activity categories, by the name the node census gives them.
+GPU_ACTIVITY_KINDS = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}
 # (owner, method): the engine core's loop iteration and step, the scheduler's two calls and
 # the model runner's phases of a step (vLLM 0.26.0 names; a missing one is reported, not
 # fatal, so the script survives a rebase).
@@ -205,19 +207,13 @@ def replay_census(graph) -> dict[str, int]:
     """What one replay of ``graph`` runs, from a kernel-only trace of it: the replay() call
     costs the host ~50 µs for a decode graph against ~5 µs for a graph of 512 Triton nodes
     (`docs/perf/graph_launch.md`), so which kinds of node it holds is the question."""
-    import json
-    import tempfile
-
     import torch
 
     trace = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
     with trace:
         graph.replay()
         torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        trace.export_chrome_trace(f.name)
-        with open(f.name) as events:
-            return node_census(json.load(events)["traceEvents"])
+    return node_census(trace_events(trace))
 
 
 def node_census(events: list[dict]) -> dict[str, int]:
@@ -225,9 +221,7 @@ def node_census(events: list[dict]) -> dict[str, int]:
     Triton, torch, other), memory copies and memsets."""
     counts: dict[str, int] = {}
     for event in events:
-        kind = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset"}.get(
-            event.get("cat", "")
-        )
+        kind = GPU_ACTIVITY_KINDS.get(event.get("cat", ""))
         if kind is None:
             continue
         if kind == "kernel":
@@ -307,15 +301,20 @@ def start_cuda_trace(worker) -> None:
 
 def stop_cuda_trace(worker) -> list[tuple[float, float]]:
     """(start, duration) in microseconds of every kernel the trace saw."""
+    worker._hd_trace.__exit__(None, None, None)
+    events = trace_events(worker._hd_trace)
+    return [(e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel"]
+
+
+def trace_events(trace) -> list[dict]:
+    """The events of a finished torch profiler trace, as its Chrome trace lists them."""
     import json
     import tempfile
 
-    worker._hd_trace.__exit__(None, None, None)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        worker._hd_trace.export_chrome_trace(f.name)
-        with open(f.name) as trace:
-            events = json.load(trace)["traceEvents"]
-    return [(e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel"]
+        trace.export_chrome_trace(f.name)
+        with open(f.name) as exported:
+            return json.load(exported)["traceEvents"]
 
 
 def gpu_idle_share(kernels: list[tuple[float, float]], skip: float = GPU_WINDOW_SKIP) -> dict:
