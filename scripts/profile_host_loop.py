@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from bench_decode import (  # noqa: E402
+    CUTE_KERNEL_NAME,
     DEFAULT_MODEL_DIR,
     PROMPT_TOKENS,
     _engine_args,
@@ -226,7 +227,8 @@ def node_census(events: list[dict]) -> dict[str, int]:
             continue
         if kind == "kernel":
             name = event.get("name", "")
-            if name.startswith("cutedsl/"):
+            # As the profiler names them (bench_decode shortens them only for its tables).
+            if CUTE_KERNEL_NAME.match(name):
                 kind = "kernel: CuTe DSL"
             elif name.startswith("nvjet") or "cublas" in name.lower():
                 kind = "kernel: cuBLAS"

@@ -643,7 +643,18 @@ def test_host_loop_node_census_sorts_a_replays_activities_by_kind():
     import profile_host_loop as host_loop
 
     events = [
-        {"cat": "kernel", "name": "cutedsl/gemmkernelSkinnyGemmKernel"},
+        # The profiler's names of CuTe DSL kernels (the hd.17 host-loop run's census
+        # counted them as "other" while it looked for bench_decode's short form).
+        {
+            "cat": "kernel",
+            "name": "kernel_cutlass_kernel_vllmmodelskimi_linearsm90specialized_decode"
+            "cutedslgemmkernelSkinnyGemmKernel_object_at__ptrbf16gmemalign16_0",
+        },
+        {
+            "cat": "kernel",
+            "name": "kernel_cutlass_kernel_vllmmodelskimi_linearsm90specialized_decode"
+            "cutedslmoekernelMoeRouterKernel_object_at__ptrbf16gmemalign16_0",
+        },
         {"cat": "kernel", "name": "cutedsl/moekernelMoeRouterKernel"},
         {"cat": "kernel", "name": "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT"},
         {"cat": "kernel", "name": "void cublasLt::splitKreduce_kernel<32, 16>"},
@@ -660,7 +671,8 @@ def test_host_loop_node_census_sorts_a_replays_activities_by_kind():
         "kernel: CuTe DSL": 2,
         "kernel: Triton": 2,
         "kernel: cuBLAS": 2,
-        "kernel: other": 1,
+        # flash::compute_attn, and bench_decode's short form, which is no profiler name.
+        "kernel: other": 2,
         "kernel: torch": 1,
         "memcpy": 1,
         "memset": 1,
