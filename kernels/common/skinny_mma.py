@@ -85,6 +85,7 @@ class WarpRowTileMma:
         halves: int,
         k_ragged: bool,
         weight_l2_policy: str | None = None,
+        prewait_steps: int | None = None,
     ):
         if k % CHUNK:
             raise ValueError(f"K={k} must be a multiple of {CHUNK} (16-byte rows)")
@@ -96,6 +97,11 @@ class WarpRowTileMma:
         self.halves = halves
         self.k_ragged = k_ragged
         self.weight_policy_value = l2_policy_value(weight_l2_policy)
+        # Steps whose weight loads are issued before griddepcontrol.wait (the
+        # first batch); None: one whole batch of ``unroll`` steps.
+        if prewait_steps is not None and not 0 <= prewait_steps <= self.steps:
+            raise ValueError(f"prewait_steps={prewait_steps} outside 0..{steps}")
+        self.prewait_steps = prewait_steps
 
     @cute.jit
     def _load_weight(self, src: cute.Tensor, dst: cute.Tensor, atom, policy):
@@ -148,8 +154,15 @@ class WarpRowTileMma:
             )
             w_policy = Int64(self.weight_policy_value)
         unroll = self.unroll
-        for batch_start in cutlass.range_constexpr(0, self.steps, unroll):
-            batch = min(unroll, self.steps - batch_start)
+        # (first step, steps) of each batch of loads issued before its MMAs.
+        steps = self.steps
+        batches = [(b, min(unroll, steps - b)) for b in range(0, steps, unroll)]
+        if cutlass.const_expr(self.prewait_steps is not None):
+            p = self.prewait_steps
+            batches = [(0, p)] + [
+                (b, min(unroll, steps - b)) for b in range(p, steps, unroll)
+            ]
+        for index, (batch_start, batch) in enumerate(batches):
             w_lo = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
             w_hi = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
             xs = [
@@ -177,9 +190,9 @@ class WarpRowTileMma:
                     self._load_weight(
                         w_chunks[row_hi, chunk, None], w_hi[j], w_atom, w_policy
                     )
-            if cutlass.const_expr(wait_after_first_loads and batch_start == 0):
+            if cutlass.const_expr(wait_after_first_loads and index == 0):
                 cute.arch.griddepcontrol_wait()
-            if cutlass.const_expr(after_wait is not None and batch_start == 0):
+            if cutlass.const_expr(after_wait is not None and index == 0):
                 after_wait()
             for j in cutlass.range_constexpr(batch):
                 chunk = (first_step + batch_start + j) * LANES_PER_QUAD + quad_lane

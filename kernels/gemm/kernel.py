@@ -176,6 +176,7 @@ class SkinnyGemmKernel:
         barrier_max_polls: int = BARRIER_MAX_POLLS,
         cluster_split_k: bool = True,
         weight_l2_policy: str | None = None,
+        prewait_steps: int | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -201,7 +202,13 @@ class SkinnyGemmKernel:
         # K predicates are needed only when the slices overhang the real K.
         k_ragged = self.steps_per_warp * k_slices * STEP_K != k
         self.mma = WarpRowTileMma(
-            k, self.steps_per_warp, unroll, self.halves, k_ragged, weight_l2_policy
+            k,
+            self.steps_per_warp,
+            unroll,
+            self.halves,
+            k_ragged,
+            weight_l2_policy,
+            prewait_steps,
         )
         self.n_ragged = n % ROWS_PER_TILE != 0
         self.threads = warps_k * WARP_THREADS

@@ -17,7 +17,7 @@ concurrently on two streams.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -91,6 +91,8 @@ class GemmConfig:
     warps_k: int
     split_k: int
     unroll: int
+    # Weight steps a warp loads before griddepcontrol.wait (None: ``unroll``).
+    prewait_steps: int | None = None
 
 
 def m_bucket_for(m: int) -> int:
@@ -222,6 +224,10 @@ class PreparedGemm:
     weight_l2_policy: None (default, plain loads), ``"evict_first"`` or
     ``"evict_last"``: the L2 cache policy of the weight's loads (probes of
     what a streamed-once weight displaces from L2).
+
+    prewait_steps: None (default) or the K-steps of weight a warp loads before
+    ``griddepcontrol.wait`` in every M-bucket's config (``GemmConfig``; the
+    configs' own default is one batch of ``unroll`` steps).
     """
 
     def __init__(
@@ -235,6 +241,7 @@ class PreparedGemm:
         barrier_max_polls: int = BARRIER_MAX_POLLS,
         cluster_split_k: bool = True,
         weight_l2_policy: str | None = None,
+        prewait_steps: int | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -298,6 +305,11 @@ class PreparedGemm:
             b: (config or {}).get(b) or choose_config(self.n_packed, k, b, num_sms)
             for b in (TOKENS_PER_MMA, MAX_TOKENS)
         }
+        if prewait_steps is not None:
+            self.configs = {
+                b: replace(c, prewait_steps=prewait_steps)
+                for b, c in self.configs.items()
+            }
         tiles = -(-self.n_packed // ROWS_PER_TILE)
         # The RMSNorm's grid barrier needs every tile of the grid able to wait
         # on the GPU at once.
@@ -375,6 +387,7 @@ class PreparedGemm:
                 barrier_max_polls=self.barrier_max_polls,
                 cluster_split_k=self.cluster_split_k,
                 weight_l2_policy=self.weight_l2_policy,
+                prewait_steps=c.prewait_steps,
             )  # fmt: skip
             bf16 = _ptr(self.weight, cutlass.BFloat16)
             w, g, p, cnt, sq = self._static_ptrs

@@ -89,6 +89,9 @@ class MoeConfig:
     # pass's four barriers, 15 us less GPU time per 27-layer step at 1 request
     # on the H200 (``moe_notes.md``). False: the CTA-wide pass, the reference.
     router_warp_table: bool = True
+    # The combine lets the next launch start only after its wait (down
+    # complete) instead of at its start (experiment; see moe_notes.md).
+    combine_trigger_after_wait: bool = False
 
     @property
     def down_stage_warps(self) -> int:
@@ -367,7 +370,7 @@ class PreparedMoe:
             ),
             MoeCombineKernel(
                 s.hidden, s.num_experts, s.top_k, bucket, fused, self.eps,
-                self.use_pdl,
+                self.use_pdl, self.config.combine_trigger_after_wait,
             ),
         )  # fmt: skip
 

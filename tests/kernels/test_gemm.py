@@ -430,6 +430,37 @@ def test_weight_l2_policy_is_bit_identical(name, epilogue, policy):
             _bits_equal(got[0], want[0], what + " out")
 
 
+@pytest.mark.parametrize("prewait_steps", [0, 3, 6])
+@pytest.mark.parametrize(
+    "name,epilogue", [("kda_in_qkv_b_fa_ga", "plain"), ("kda_o_proj", "residual_sumsq")]
+)
+def test_prewait_steps_are_bit_identical(name, epilogue, prewait_steps):
+    """Loading fewer weight steps before the PDL wait moves loads, not MMAs:
+    out (plain) and residual_out (residual_sumsq) match the default batches
+    bit for bit at every M-bucket, plain launches and PDL-chained in a graph."""
+    w = _weight(name)
+    n, k = w.shape
+    gen = torch.Generator(device="cuda").manual_seed(
+        zlib.crc32(f"pre/{name}/{prewait_steps}".encode())
+    )
+    base, moved = (PreparedGemm(w, epilogue, prewait_steps=p) for p in (None, prewait_steps))
+    for m in SPLIT_MS:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+        want = _run_epilogue(base, epilogue, x, residual)
+        got = _run_epilogue(moved, epilogue, x, residual)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chained = [_run_epilogue(moved, epilogue, x, residual) for _ in range(3)]
+        graph.replay()
+        torch.cuda.synchronize()
+        what = f"{name} {epilogue} prewait {prewait_steps} M={m}"
+        index = 1 if epilogue == "residual_sumsq" else 0
+        _bits_equal(got[index], want[index], what)
+        for launch in chained:
+            _bits_equal(launch[index], want[index], what + " (graph)")
+
+
 def test_pack_gate_up_layout():
     inter, k = 20, 16  # I not a multiple of 8: padded with zero rows
     w = torch.arange(2 * inter * k, dtype=torch.float32).reshape(2 * inter, k)

@@ -194,3 +194,28 @@ def test_rejects_configs_that_leave_warps_idle():
         SkinnyGemmKernel(576, 100, 8, "plain", 1, 1, 8)
     with pytest.raises(ValueError, match="unknown epilogue"):
         SkinnyGemmKernel(576, 128, 8, "gelu", 1, 1, 8)
+
+
+def _in_proj_kernel(prewait_steps):
+    """The KDA in_proj (12576 x 2304, 4 warps, 18 K-steps a warp, unroll 8)."""
+    return SkinnyGemmKernel(12576, 2304, 8, "plain", 4, 1, 8, prewait_steps=prewait_steps)
+
+
+@pytest.mark.parametrize(("prewait_steps", "loads"), [(None, 16), (0, 0), (3, 6), (6, 12)])
+def test_prewait_steps_set_the_weight_loads_before_the_pdl_wait(tmp_path, prewait_steps, loads):
+    """A warp issues two 16-byte weight loads per K-step (its tile's two 8-row
+    halves) before griddepcontrol.wait: ``unroll`` steps by default, else
+    ``prewait_steps``; all 18 steps' loads in every case."""
+    ptx = compiled_ptx(
+        tmp_path, "test_gemm_compile", f"_compile(t._in_proj_kernel({prewait_steps}))"
+    )
+    before, wait, after = ptx.partition("griddepcontrol.wait;")
+    assert wait
+    assert before.count("ld.global.v4") == loads
+    # 36 weight loads and 18 activation loads in all.
+    assert before.count("ld.global.v4") + after.count("ld.global.v4") == 54
+
+
+def test_prewait_steps_outside_the_warps_k_range_are_refused():
+    with pytest.raises(ValueError, match="prewait_steps=19 outside 0..18"):
+        _in_proj_kernel(19)

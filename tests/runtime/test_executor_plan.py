@@ -1055,6 +1055,44 @@ def test_the_kernel_factory_hands_the_expert_warps_to_the_moe(monkeypatch, moe_p
     assert [config.expert_warps(b) for b in (1, 2, 4)] == [(4, 8), (4, 8), (4, 4)]
 
 
+@pytest.mark.parametrize(
+    ("environ", "steps"),
+    [
+        ({}, {}),
+        ({"VLLM_HD_GEMM_PREWAIT": ""}, {}),
+        ({"VLLM_HD_GEMM_PREWAIT": "12576:6"}, {12576: 6}),
+        ({"VLLM_HD_GEMM_PREWAIT": "12576:0,6720:12"}, {12576: 0, 6720: 12}),
+    ],
+)
+def test_the_gemm_prewait_switch(environ, steps):
+    """Unset: no GEMM changes its pre-wait loads; the switch names GEMMs by
+    their weight rows."""
+    assert decode.gemm_prewait_from_env(environ) == steps
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["12576", "12576:", ":6", "0:6", "012576:6", "12576:6,12576:4", "12576:100",
+     "12576:-1", " 12576:6", "12576:6,", "a:b", "12576:06"],
+)  # fmt: skip
+def test_other_gemm_prewait_values_fail_at_start_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VLLM_HD_GEMM_PREWAIT", value)
+    with pytest.raises(ValueError, match=f"VLLM_HD_GEMM_PREWAIT={value!r}"):
+        decode.KernelFactory()
+
+
+def test_the_kernel_factory_hands_the_prewait_to_the_named_gemm(monkeypatch):
+    prepared = pytest.importorskip(
+        "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.gemm.prepared",
+        reason="CuTe DSL is not installed",
+    )
+    monkeypatch.setattr(prepared, "PreparedGemm", lambda *args, **kwargs: kwargs)
+    monkeypatch.setenv("VLLM_HD_GEMM_PREWAIT", "12576:6")
+    factory = decode.KernelFactory(clusters=True)
+    assert factory.gemm(torch.empty(12576, 8))["prewait_steps"] == 6
+    assert factory.gemm(torch.empty(2304, 8))["prewait_steps"] is None
+
+
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):
     monkeypatch.setenv("VLLM_HD_EXPERT_L2_POLICY", "evict_normal")
     with pytest.raises(ValueError, match="VLLM_HD_EXPERT_L2_POLICY='evict_normal'"):
