@@ -52,8 +52,19 @@ VARIANTS = {
     "no_combine": (0, 1, 2),
     "no_router": (1, 2, 3),
     "no_router_no_combine": (1, 2),
+    # The executor's MoE configuration (8-warp gate_up / 4-warp down at M-bucket 1,
+    # evict_first expert loads up to M-bucket 4) instead of MoeConfig()'s defaults:
+    "engine": (0, 1, 2, 3),
+    # ... with the combine letting in_proj launch only after its wait (down
+    # complete), so in_proj's early weight loads do not overlap down's stream:
+    "engine_combine_late": (0, 1, 2, 3),
+    # ... with in_proj loading 0-7 weight steps a warp before its wait
+    # (its default: one batch of `unroll` = 8 steps):
+    **{f"engine_prewait{steps}": (0, 1, 2, 3) for steps in range(8)},
 }
 ROUTER = 0
+ENGINE = "engine"
+PREWAIT = "engine_prewait"
 # The KDA layer's fused input projection (q, k, v, b, f_a, g_a) that follows most MoEs.
 IN_PROJ_ROWS = 3 * 4096 + 32 + 128 + 128
 ROUNDS = 3
@@ -69,23 +80,65 @@ class Chain:
 
         import ab_norm_seam
         import bench_moe as bm
-        from kernels.gemm.prepared import PreparedGemm
+        from kernels.gemm.prepared import GemmConfig, PreparedGemm, choose_config
+        from kernels.moe.prepared import MoeConfig, PreparedMoe
 
         self.seam = ab_norm_seam.Seam(layer, gen)
         w_in = torch.randn(IN_PROJ_ROWS, bm.HIDDEN, generator=gen, device="cuda")
-        self.in_proj = PreparedGemm((w_in / bm.HIDDEN**0.5).to(torch.bfloat16), "plain")
-        # o_proj's squares when no router consumes and re-arms the MoE's own sums.
-        self.scratch_sums = torch.zeros_like(self.seam.moe_norm.input_sums)
-
-    def run(self, bufs: dict, launches: tuple) -> None:
+        w_in = (w_in / bm.HIDDEN**0.5).to(torch.bfloat16)
+        self.in_proj = PreparedGemm(w_in, "plain")
         moe = self.seam.moe_norm
+        # o_proj's squares when no router consumes and re-arms the MoE's own sums.
+        self.scratch_sums = torch.zeros_like(moe.input_sums)
+        self.moe_engine = {
+            late: PreparedMoe(
+                moe.gate_weight,
+                moe.bias,
+                moe.w13,
+                moe.w2,
+                moe.shared_gate_up,
+                moe.shared_down,
+                moe.top_k,
+                moe.scale,
+                moe.renormalize,
+                rmsnorm_weight=moe.gamma,
+                eps=moe.eps,
+                input_norm_weight=moe.input_gamma,
+                input_eps=moe.input_eps,
+                config=MoeConfig(
+                    warps=8,
+                    down_warps=4,
+                    warps_max_bucket=1,
+                    combine_trigger_after_wait=late,
+                ),
+                expert_weight_l2_policy="evict_first",
+                expert_weight_l2_policy_max_bucket=4,
+            )  # fmt: skip
+            for late in (False, True)
+        }
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.in_proj_prewait = {}
+        for steps in range(8):
+            config = {}
+            for bucket in (8, 16):
+                c = choose_config(IN_PROJ_ROWS, bm.HIDDEN, bucket, num_sms)
+                config[bucket] = GemmConfig(c.warps_k, c.split_k, c.unroll, steps)
+            self.in_proj_prewait[steps] = PreparedGemm(w_in, "plain", config=config)
+
+    def run(self, bufs: dict, variant: str) -> None:
+        launches = VARIANTS[variant]
+        moe, in_proj = self.seam.moe_norm, self.in_proj
+        if variant.startswith(ENGINE):
+            moe = self.moe_engine[variant == "engine_combine_late"]
+        if variant.startswith(PREWAIT):
+            in_proj = self.in_proj_prewait[int(variant.removeprefix(PREWAIT))]
         sums = moe.input_sums if ROUTER in launches else self.scratch_sums
         self.seam.o_sums.run(bufs["attn"], None, bufs["residual"], bufs["mid"], sums=sums)
         # Bound inside the capture: launches() binds the current stream.
         moe_launches = moe.launches(bufs["x"], bufs["out"], bufs["mid"], bufs["residual_out"])
         for index in launches:
             moe_launches[index]()
-        self.in_proj.run(bufs["out"], bufs["y"])
+        in_proj.run(bufs["out"], bufs["y"])
 
 
 def _buffers(m: int, gen) -> dict:
@@ -111,16 +164,23 @@ def run(m_values, variants, layers_n, reps, replays) -> list[dict]:
         for m in m_values:
             bufs = _buffers(m, gen)
             for chain in chains:  # routing tables and normed x for the partial variants
-                chain.run(bufs, VARIANTS["full"])
+                chain.run(bufs, "full")
             torch.cuda.synchronize()
             if bufs["y"].isnan().any():
                 raise SystemExit(f"{regime} M={m}: the full chain left NaN; not timing")
+            want = bufs["y"].clone()
+            for v in variants:  # the engine variants compute the full chain's output
+                if v.startswith(ENGINE):
+                    bufs["y"].fill_(float("nan"))
+                    chains[-1].run(bufs, v)
+                    torch.cuda.synchronize()
+                    ab_kernels._agree(f"{v} vs full (in_proj output)", bufs["y"], want, 1e-2)
             runs = {v: [] for v in variants}
             for _ in range(ROUNDS):
                 for v in variants:
                     runs[v].append(
                         bm.time_graph(
-                            lambda chain, v=v, bufs=bufs: chain.run(bufs, VARIANTS[v]),
+                            lambda chain, v=v, bufs=bufs: chain.run(bufs, v),
                             chains, reps, replays,
                         )[0]
                     )  # fmt: skip

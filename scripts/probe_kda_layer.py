@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+"""Whole KDA + MoE layers as the decode executor chains them, for kernel A/Bs.
+
+    python3 scripts/probe_kda_layer.py --out DIR [--m 1,2] [--variants ...]   # H200
+
+Per layer, on weights and caches of its own: the fused KDA input projection
+(12576 x 2304) on the previous layer's MoE output, the KDA step (states loaded
+before its wait, f_b / g_b applied inside), o_proj with the residual and the
+sums of squares (``residual_sumsq``), the MoE with the post-attention norm in its
+router, the executor's expert CTAs (8-warp gate_up, 4-warp down at M-bucket 1)
+and evict_first expert loads, and its combine writing the next layer's normed
+input. Every launch PDL-chained, as in the decode graph; bench_moe's CUDA-graph
+method over ``--layers`` distinct layers (dummy routing: the engine's dummy
+weights route this way).
+
+``probe_moe_seams.py`` stops at in_proj: what a change does to the KDA step's
+start behind in_proj (its CTAs need SM room while in_proj runs) it cannot see,
+and the engine A/Bs of 2026-12-03 and 2026-12-04 lost exactly there. Variants:
+
+* ``base``: the executor's kernels;
+* ``prewaitS``: in_proj's warps load S of their 18 weight K-steps before the PDL
+  wait (``GemmConfig.prewait_steps``; ``VLLM_HD_GEMM_PREWAIT=12576:S`` in the
+  engine), instead of one batch of ``unroll`` = 8;
+* ``combine_late``: the combine lets in_proj launch only after its own wait.
+
+Before timing, each variant's last layer output and KDA state after one chain
+from the same caches must equal ``base``'s bit for bit (the variants move loads
+and launch points, never arithmetic).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import ab_kernels  # noqa: E402
+
+JSON_NAME = "probe_kda_layer.json"
+M_VALUES = "1,2"
+PREWAIT_STEPS = (3, 4, 5, 6, 7)
+VARIANTS = ("base", *(f"prewait{s}" for s in PREWAIT_STEPS), "combine_late")
+ROUNDS = 3
+LAYERS, REPS, REPLAYS = 4, 2, 20
+HEADS, HEAD_DIM, GATE_RANK = 32, 128, 128
+PROJ = HEADS * HEAD_DIM
+# The fused input projection's rows: q | k | v | b | f_a | g_a.
+IN_ROWS = 3 * PROJ + HEADS + 2 * GATE_RANK
+B_COL, F_A_COL, G_A_COL = 3 * PROJ, 3 * PROJ + HEADS, 3 * PROJ + HEADS + GATE_RANK
+EPS = 1e-5
+
+
+class KdaMoeLayer:
+    """One decoder layer's weights, caches and prepared kernels, per variant."""
+
+    def __init__(self, gen, max_m: int):
+        import torch
+
+        import bench_moe as bm
+        from kernels.gemm.prepared import GemmConfig, PreparedGemm, choose_config
+        from kernels.kda.prepared import PreparedKda
+        from kernels.moe.prepared import MoeConfig, PreparedMoe
+
+        dev, bf16, hidden = "cuda", torch.bfloat16, bm.HIDDEN
+
+        def randn(*shape, std=1.0):
+            return torch.randn(*shape, generator=gen, device=dev) * std
+
+        w_in = randn(IN_ROWS, hidden, std=hidden**-0.5).to(bf16)
+        self.in_proj = {"base": PreparedGemm(w_in, "plain")}
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for steps in PREWAIT_STEPS:
+            config = {}
+            for bucket in (8, 16):
+                c = choose_config(IN_ROWS, hidden, bucket, sms)
+                config[bucket] = GemmConfig(c.warps_k, c.split_k, c.unroll, steps)
+            self.in_proj[f"prewait{steps}"] = PreparedGemm(w_in, "plain", config=config)
+
+        conv = randn(3, PROJ, 4, std=0.5)
+        slots = max_m + 1  # slot 0 is the null block
+        self.conv_state = randn(slots, 3, 3 * PROJ).to(bf16)
+        self.state = randn(slots, HEADS, HEAD_DIM, HEAD_DIM, std=0.1)
+        gate_weights = tuple(randn(PROJ, GATE_RANK, std=GATE_RANK**-0.5).to(bf16) for _ in range(2))
+        self.kda = PreparedKda(
+            tuple(w.view(PROJ, 1, 4) for w in conv),
+            torch.rand(HEADS, generator=gen, device=dev) * 2 - 1.5,
+            randn(PROJ, std=0.2) - 2.0,
+            (1 + 0.1 * randn(HEAD_DIM)).to(bf16),
+            self.conv_state, self.state, num_heads=HEADS, state_loads_before_wait=True,
+            gate_weights=gate_weights,
+        )  # fmt: skip
+
+        w_o = randn(hidden, PROJ, std=PROJ**-0.5).to(bf16)
+        self.o_proj = PreparedGemm(w_o, "residual_sumsq")
+        post_norm, next_norm = ((1 + 0.1 * randn(hidden)).to(bf16) for _ in range(2))
+        moe_weights = bm.Layer("dummy", gen, None)
+        self.moe = {
+            late: PreparedMoe(
+                moe_weights.gate,
+                moe_weights.bias,
+                moe_weights.w13,
+                moe_weights.w2,
+                moe_weights.shared_gate_up,
+                moe_weights.shared_down,
+                bm.TOP_K,
+                bm.SCALE,
+                rmsnorm_weight=next_norm,
+                eps=EPS,
+                input_norm_weight=post_norm,
+                input_eps=EPS,
+                config=MoeConfig(
+                    warps=8,
+                    down_warps=4,
+                    warps_max_bucket=1,
+                    combine_trigger_after_wait=late,
+                ),
+                expert_weight_l2_policy="evict_first",
+                expert_weight_l2_policy_max_bucket=4,
+            )  # fmt: skip
+            for late in (False, True)
+        }
+
+    def run(self, bufs: dict, variant: str) -> None:
+        m = bufs["x"].shape[0]
+        in_proj = self.in_proj.get(variant, self.in_proj["base"])
+        moe = self.moe[variant == "combine_late"]
+        proj = bufs["proj"]
+        in_proj.run(bufs["x"], proj)
+        self.kda.run(
+            proj[:, :PROJ], proj[:, PROJ : 2 * PROJ], proj[:, 2 * PROJ : B_COL],
+            proj[:, F_A_COL:G_A_COL], proj[:, B_COL:F_A_COL], proj[:, G_A_COL:],
+            bufs["slots"][:m], bufs["attn"],
+        )  # fmt: skip
+        self.o_proj.run(bufs["attn"], None, bufs["residual"], bufs["mid"], sums=moe.input_sums)
+        # The next layer's in_proj reads bufs["x"]: the chain's data dependency.
+        moe.run(bufs["moe_x"], bufs["x"], bufs["mid"], bufs["residual_out"])
+
+
+def _buffers(m: int, gen) -> dict:
+    import torch
+
+    import bench_moe as bm
+
+    bf16, dev = torch.bfloat16, "cuda"
+    bufs = {
+        "x": torch.randn(m, bm.HIDDEN, generator=gen, device=dev).to(bf16),
+        "residual": torch.randn(m, bm.HIDDEN, generator=gen, device=dev).to(bf16),
+        "proj": torch.empty(m, IN_ROWS, dtype=bf16, device=dev),
+        "attn": torch.empty(m, PROJ, dtype=bf16, device=dev),
+        "slots": torch.arange(1, 17, dtype=torch.int32, device=dev),
+    }
+    for name in ("mid", "moe_x", "residual_out"):
+        bufs[name] = torch.empty(m, bm.HIDDEN, dtype=bf16, device=dev)
+    return bufs
+
+
+def _check(layers, bufs, variants) -> dict:
+    """Every variant's output and states after one chain from the same caches and
+    input, bit for bit against ``base``'s; refuses to time a variant that differs."""
+    import torch
+
+    saved = [(lay.conv_state.clone(), lay.state.clone()) for lay in layers]
+    x0 = bufs["x"].clone()
+    results = {}
+    for v in variants:
+        for lay, (conv, state) in zip(layers, saved):
+            lay.conv_state.copy_(conv)
+            lay.state.copy_(state)
+        bufs["x"].copy_(x0)
+        for lay in layers:
+            lay.run(bufs, v)
+        torch.cuda.synchronize()
+        results[v] = (bufs["x"].clone(), torch.cat([lay.state.flatten() for lay in layers]))
+    base_x, base_state = results["base"]
+    if base_x.isnan().any() or base_state.isnan().any():
+        raise SystemExit("base chain produced NaN; not timing")
+    for v, (x, state) in results.items():
+        if not (
+            torch.equal(x.view(torch.int16), base_x.view(torch.int16))
+            and torch.equal(state, base_state)
+        ):
+            raise SystemExit(f"{v}: output or KDA state differs from base; not timing")
+    bufs["x"].copy_(x0)
+    return {v: "bit-identical to base" for v in variants}
+
+
+def run(m_values, variants, layers_n, reps, replays) -> list[dict]:
+    import torch
+
+    import bench_moe as bm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = [KdaMoeLayer(gen, max(m_values)) for _ in range(layers_n)]
+    rows = []
+    for m in m_values:
+        bufs = _buffers(m, gen)
+        checks = _check(layers, bufs, ["base", *[v for v in variants if v != "base"]])
+        runs = {v: [] for v in variants}
+        for _ in range(ROUNDS):
+            for v in variants:
+                runs[v].append(
+                    bm.time_graph(
+                        lambda lay, v=v, bufs=bufs: lay.run(bufs, v), layers, reps, replays
+                    )[0]
+                )
+        us = {v: statistics.median(runs[v]) for v in variants}
+        row = {"m": m, "us": us, "runs_us": runs, "checks": checks}
+        if "base" in us:
+            row["vs_base_us"] = {v: t - us["base"] for v, t in us.items() if v != "base"}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "runs_us"}), flush=True)
+    return rows
+
+
+def table(rows: list[dict], variants) -> str:
+    lines = [f"{'M':>3s} " + " ".join(f"{v:>16s}" for v in variants)]
+    for r in rows:
+        cells = []
+        for v in variants:
+            diff = r.get("vs_base_us", {}).get(v)
+            extra = "" if diff is None else f" ({diff:+.2f})"
+            cells.append(f"{r['us'][v]:.2f}{extra}".rjust(16))
+        lines.append(f"{r['m']:3d} " + " ".join(cells))
+    lines.append("µs per layer; in brackets: the variant minus base")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = ab_kernels.layered_ab_parser(
+        __doc__, JSON_NAME, M_VALUES, "variants", VARIANTS, LAYERS, REPS, REPLAYS
+    )
+    args, variants, m_values = ab_kernels.parsed_layered_ab_args(
+        parser, "variants", VARIANTS, "variant"
+    )
+    missing = ab_kernels.sm90_missing()
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
+    rows = run(m_values, variants, args.layers, args.reps, args.replays)
+    print(table(rows, variants))
+    what = (
+        "KDA in_proj -> KDA step -> o_proj (residual_sumsq) -> MoE (input norm, the "
+        "executor's expert CTAs and L2 policy) per layer, PDL-chained, dummy routing; "
+        "µs per layer in bench_moe's CUDA-graph method over layers with distinct weights "
+        "and caches; median of 3 interleaved rounds; variants checked bit-identical to base"
+    )
+    fields = {"what": what, "layers": args.layers, "reps": args.reps, "replays": args.replays}
+    ab_kernels.write_report(args.out, JSON_NAME, "probe_kda_layer.py", fields, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
