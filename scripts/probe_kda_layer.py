@@ -19,8 +19,10 @@ and the engine A/Bs of 2026-12-03 and 2026-12-04 lost exactly there. Variants:
 
 * ``base``: the executor's kernels;
 * ``prewaitS``: in_proj's warps load S of their 18 weight K-steps before the PDL
-  wait (``GemmConfig.prewait_steps``; ``VLLM_HD_GEMM_PREWAIT=12576:S`` in the
+  wait (``GemmConfig.prewait_steps``; ``VLLM_HD_GEMM_PREWAIT=12576x2304:S`` in the
   engine), instead of one batch of ``unroll`` = 8;
+* ``oproj_prewaitS``: the same for o_proj (8 K-steps a warp, all before the wait
+  by default; ``VLLM_HD_GEMM_PREWAIT=2304x4096:S``);
 * ``combine_late``: the combine lets in_proj launch only after its own wait.
 
 Before timing, each variant's last layer output and KDA state after one chain
@@ -44,7 +46,13 @@ import ab_kernels  # noqa: E402
 JSON_NAME = "probe_kda_layer.json"
 M_VALUES = "1,2"
 PREWAIT_STEPS = (3, 4, 5, 6, 7)
-VARIANTS = ("base", *(f"prewait{s}" for s in PREWAIT_STEPS), "combine_late")
+O_PROJ_PREWAIT_STEPS = (4, 6)
+VARIANTS = (
+    "base",
+    *(f"prewait{s}" for s in PREWAIT_STEPS),
+    *(f"oproj_prewait{s}" for s in O_PROJ_PREWAIT_STEPS),
+    "combine_late",
+)
 ROUNDS = 3
 LAYERS, REPS, REPLAYS = 4, 2, 20
 HEADS, HEAD_DIM, GATE_RANK = 32, 128, 128
@@ -96,7 +104,11 @@ class KdaMoeLayer:
         )  # fmt: skip
 
         w_o = randn(hidden, PROJ, std=PROJ**-0.5).to(bf16)
-        self.o_proj = PreparedGemm(w_o, "residual_sumsq")
+        self.o_proj = {"base": PreparedGemm(w_o, "residual_sumsq")}
+        for steps in O_PROJ_PREWAIT_STEPS:
+            self.o_proj[f"oproj_prewait{steps}"] = PreparedGemm(
+                w_o, "residual_sumsq", prewait_steps=steps
+            )
         post_norm, next_norm = ((1 + 0.1 * randn(hidden)).to(bf16) for _ in range(2))
         moe_weights = bm.Layer("dummy", gen, None)
         self.moe = {
@@ -136,7 +148,8 @@ class KdaMoeLayer:
             proj[:, F_A_COL:G_A_COL], proj[:, B_COL:F_A_COL], proj[:, G_A_COL:],
             bufs["slots"][:m], bufs["attn"],
         )  # fmt: skip
-        self.o_proj.run(bufs["attn"], None, bufs["residual"], bufs["mid"], sums=moe.input_sums)
+        o_proj = self.o_proj.get(variant, self.o_proj["base"])
+        o_proj.run(bufs["attn"], None, bufs["residual"], bufs["mid"], sums=moe.input_sums)
         # The next layer's in_proj reads bufs["x"]: the chain's data dependency.
         moe.run(bufs["moe_x"], bufs["x"], bufs["mid"], bufs["residual_out"])
 

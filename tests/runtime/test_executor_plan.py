@@ -1060,20 +1060,24 @@ def test_the_kernel_factory_hands_the_expert_warps_to_the_moe(monkeypatch, moe_p
     [
         ({}, {}),
         ({"VLLM_HD_GEMM_PREWAIT": ""}, {}),
-        ({"VLLM_HD_GEMM_PREWAIT": "12576:6"}, {12576: 6}),
-        ({"VLLM_HD_GEMM_PREWAIT": "12576:0,6720:12"}, {12576: 0, 6720: 12}),
+        ({"VLLM_HD_GEMM_PREWAIT": "12576x2304:6"}, {(12576, 2304): 6}),
+        (
+            {"VLLM_HD_GEMM_PREWAIT": "12576x2304:0,2304x4096:12"},
+            {(12576, 2304): 0, (2304, 4096): 12},
+        ),
     ],
 )
 def test_the_gemm_prewait_switch(environ, steps):
     """Unset: no GEMM changes its pre-wait loads; the switch names GEMMs by
-    their weight rows."""
+    their weight shape."""
     assert decode.gemm_prewait_from_env(environ) == steps
 
 
 @pytest.mark.parametrize(
     "value",
-    ["12576", "12576:", ":6", "0:6", "012576:6", "12576:6,12576:4", "12576:100",
-     "12576:-1", " 12576:6", "12576:6,", "a:b", "12576:06"],
+    ["12576:6", "12576x2304", "12576x2304:", "x2304:6", "0x2304:6", "12576x0:6",
+     "012576x2304:6", "12576x2304:6,12576x2304:4", "12576x2304:100", "12576x2304:-1",
+     " 12576x2304:6", "12576x2304:6,", "axb:c", "12576x2304:06", "12576X2304:6"],
 )  # fmt: skip
 def test_other_gemm_prewait_values_fail_at_start_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("VLLM_HD_GEMM_PREWAIT", value)
@@ -1087,10 +1091,11 @@ def test_the_kernel_factory_hands_the_prewait_to_the_named_gemm(monkeypatch):
         reason="CuTe DSL is not installed",
     )
     monkeypatch.setattr(prepared, "PreparedGemm", lambda *args, **kwargs: kwargs)
-    monkeypatch.setenv("VLLM_HD_GEMM_PREWAIT", "12576:6")
+    monkeypatch.setenv("VLLM_HD_GEMM_PREWAIT", "12576x2304:6")
     factory = decode.KernelFactory(clusters=True)
-    assert factory.gemm(torch.empty(12576, 8))["prewait_steps"] == 6
-    assert factory.gemm(torch.empty(2304, 8))["prewait_steps"] is None
+    assert factory.gemm(torch.empty(12576, 2304))["prewait_steps"] == 6
+    assert factory.gemm(torch.empty(12576, 1024))["prewait_steps"] is None
+    assert factory.gemm(torch.empty(2304, 4096))["prewait_steps"] is None
 
 
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):

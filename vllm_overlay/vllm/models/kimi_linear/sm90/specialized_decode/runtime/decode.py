@@ -175,31 +175,34 @@ def moe_expert_warps_from_env(
     return (int(parts[0]), int(parts[-1]), int(max_bucket) if max_bucket else None)
 
 
-# Weight K-steps a warp of one GEMM loads before its PDL wait, by the GEMM's
-# weight rows, for A/Bs: "N:S[,N:S...]" (e.g. "12576:6", the KDA in_proj);
-# unset or empty: every GEMM keeps its config's one batch of ``unroll`` steps.
-# The MoE -> in_proj chain probe measured 1.1-1.7 us per layer less with 3-7
-# steps for the KDA in_proj than with its 8 (docs/perf/gemm_notes.md,
-# 2026-12-04); the engine is not measured yet.
+# Weight K-steps a warp loads before its PDL wait, by the GEMM's weight shape,
+# for A/Bs: "NxK:S[,NxK:S...]" (e.g. "12576x2304:3", the KDA in_proj); unset or
+# empty: every GEMM keeps its config's one batch of ``unroll`` steps. The MoE ->
+# in_proj chain probe measured 1.1-1.8 us per layer less with 3-7 steps for the
+# KDA in_proj than with its 8 (docs/perf/gemm_notes.md, 2026-12-04); the engine
+# is not measured yet.
 GEMM_PREWAIT_ENV = "VLLM_HD_GEMM_PREWAIT"
 
 
-def gemm_prewait_from_env(environ: dict[str, str] | None = None) -> dict[int, int]:
-    """{weight rows: pre-wait K-steps} as ``GEMM_PREWAIT_ENV`` asks ({} if
-    unset or empty); raises, naming the variable, on another value."""
+def gemm_prewait_from_env(
+    environ: dict[str, str] | None = None,
+) -> dict[tuple[int, int], int]:
+    """{(N, K) of a weight: pre-wait K-steps} as ``GEMM_PREWAIT_ENV`` asks ({}
+    if unset or empty); raises, naming the variable, on another value."""
     value = (os.environ if environ is None else environ).get(GEMM_PREWAIT_ENV)
     if not value:
         return {}
-    steps = {}
+    steps: dict[tuple[int, int], int] = {}
     for item in value.split(","):
-        match = re.fullmatch(r"([1-9][0-9]*):([0-9]|[1-9][0-9])", item)
-        if match is None or int(match[1]) in steps:
+        match = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*):([0-9]|[1-9][0-9])", item)
+        shape = (int(match[1]), int(match[2])) if match else None
+        if shape is None or shape in steps:
             raise ValueError(
-                f"{GEMM_PREWAIT_ENV}={value!r}: expected N:S[,N:S...], a GEMM's "
-                "weight rows N (each once) and the K-steps S (0-99) its warps load "
+                f"{GEMM_PREWAIT_ENV}={value!r}: expected NxK:S[,NxK:S...], a GEMM's "
+                "weight shape (each once) and the K-steps S (0-99) its warps load "
                 "before the PDL wait (or unset)"
             )
-        steps[int(match[1])] = int(match[2])
+        steps[shape] = int(match[3])
     return steps
 
 
@@ -236,7 +239,9 @@ class KernelFactory:
             logger.info(
                 "Kimi-Linear specialized decode: GEMM warps load %s K-steps before "
                 "their PDL wait (%s)",
-                ", ".join(f"{s} (N = {n})" for n, s in self.gemm_prewait.items()),
+                ", ".join(
+                    f"{s} ({n} x {k})" for (n, k), s in self.gemm_prewait.items()
+                ),
                 GEMM_PREWAIT_ENV,
             )
         gate_up_warps, down_warps, warps_max_bucket = self.moe_expert_warps
@@ -283,7 +288,7 @@ class KernelFactory:
             rmsnorm_weight=rmsnorm_weight,
             eps=eps,
             cluster_split_k=self.clusters,
-            prewait_steps=self.gemm_prewait.get(weight.shape[0]),
+            prewait_steps=self.gemm_prewait.get(tuple(weight.shape)),
         )
 
     def grouped_gemm(self, weight: torch.Tensor) -> Any:
