@@ -110,6 +110,44 @@ def parsed_layered_ab_args(parser, subset: str, choices, what: str):
     return args, names, parsed_token_counts(parser, args.m)
 
 
+def layered_probe_main(
+    doc: str, json_name: str, script: str, m_default: str, variants, layers: int,
+    reps: int, replays: int, run, table, what: str,
+) -> int:  # fmt: skip
+    """A layered probe's command line: parse ``--variants`` and bench_moe's graph
+    method, refuse a host without an SM90 GPU, ``run(m_values, variants, layers,
+    reps, replays)`` -> rows, print ``table(rows, variants)`` and write the report."""
+    parser = layered_ab_parser(
+        doc, json_name, m_default, "variants", variants, layers, reps, replays
+    )
+    args, chosen, m_values = parsed_layered_ab_args(parser, "variants", variants, "variant")
+    missing = sm90_missing()
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
+    rows = run(m_values, chosen, args.layers, args.reps, args.replays)
+    print(table(rows, chosen))
+    fields = {"what": what, "layers": args.layers, "reps": args.reps, "replays": args.replays}
+    write_report(args.out, json_name, script, fields, rows)
+    return 0
+
+
+def variant_table(rows, variants, lead: tuple, diff_key: str, legend: str, width: int) -> str:
+    """µs per row and variant, ``row[diff_key][variant]`` in brackets where present;
+    ``lead``: the (row key, column width) pairs that name a row."""
+    names = " ".join(f"{key:>{w}s}" for key, w in lead)
+    lines = [names + " " + " ".join(f"{v:>{width}s}" for v in variants)]
+    for r in rows:
+        cells = []
+        for v in variants:
+            diff = r.get(diff_key, {}).get(v)
+            extra = "" if diff is None else f" ({diff:+.2f})"
+            cells.append(f"{r['us'][v]:.2f}{extra}".rjust(width))
+        lines.append(" ".join(f"{r[key]!s:>{w}s}" for key, w in lead) + " " + " ".join(cells))
+    lines.append(legend)
+    return "\n".join(lines)
+
+
 def parsed_subset(parser, text: str, choices, what: str) -> list[str]:
     """``text``'s comma-separated names, each one of ``choices`` (else a usage error)."""
     names = text.split(",")

@@ -231,40 +231,21 @@ def run(m_values, variants, layers_n, reps, replays) -> list[dict]:
 
 
 def table(rows: list[dict], variants) -> str:
-    lines = [f"{'M':>3s} " + " ".join(f"{v:>16s}" for v in variants)]
-    for r in rows:
-        cells = []
-        for v in variants:
-            diff = r.get("vs_base_us", {}).get(v)
-            extra = "" if diff is None else f" ({diff:+.2f})"
-            cells.append(f"{r['us'][v]:.2f}{extra}".rjust(16))
-        lines.append(f"{r['m']:3d} " + " ".join(cells))
-    lines.append("µs per layer; in brackets: the variant minus base")
-    return "\n".join(lines)
+    legend = "µs per layer; in brackets: the variant minus base"
+    return ab_kernels.variant_table(rows, variants, (("m", 3),), "vs_base_us", legend, 16)
 
 
 def main() -> int:
-    parser = ab_kernels.layered_ab_parser(
-        __doc__, JSON_NAME, M_VALUES, "variants", VARIANTS, LAYERS, REPS, REPLAYS
-    )
-    args, variants, m_values = ab_kernels.parsed_layered_ab_args(
-        parser, "variants", VARIANTS, "variant"
-    )
-    missing = ab_kernels.sm90_missing()
-    if missing:
-        print(f"error: {missing}", file=sys.stderr)
-        return 2
-    rows = run(m_values, variants, args.layers, args.reps, args.replays)
-    print(table(rows, variants))
     what = (
         "KDA in_proj -> KDA step -> o_proj (residual_sumsq) -> MoE (input norm, the "
         "executor's expert CTAs and L2 policy) per layer, PDL-chained, dummy routing; "
         "µs per layer in bench_moe's CUDA-graph method over layers with distinct weights "
         "and caches; median of 3 interleaved rounds; variants checked bit-identical to base"
     )
-    fields = {"what": what, "layers": args.layers, "reps": args.reps, "replays": args.replays}
-    ab_kernels.write_report(args.out, JSON_NAME, "probe_kda_layer.py", fields, rows)
-    return 0
+    return ab_kernels.layered_probe_main(
+        __doc__, JSON_NAME, "probe_kda_layer.py", M_VALUES, VARIANTS, LAYERS, REPS, REPLAYS, run,
+        table, what,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

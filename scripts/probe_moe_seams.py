@@ -196,40 +196,22 @@ def run(m_values, variants, layers_n, reps, replays) -> list[dict]:
 
 
 def table(rows: list[dict], variants) -> str:
-    lines = [f"{'regime':9s} {'M':>3s} " + " ".join(f"{v:>21s}" for v in variants)]
-    for r in rows:
-        cells = []
-        for v in variants:
-            bound = r.get("bound_us", {}).get(v)
-            extra = "" if bound is None else f" ({bound:+.2f})"
-            cells.append(f"{r['us'][v]:.2f}{extra}".rjust(21))
-        lines.append(f"{r['regime']:9s} {r['m']:3d} " + " ".join(cells))
-    lines.append("µs per layer; in brackets: full minus the variant (the bound)")
-    return "\n".join(lines)
+    legend = "µs per layer; in brackets: full minus the variant (the bound)"
+    lead = (("regime", 9), ("m", 3))
+    return ab_kernels.variant_table(rows, variants, lead, "bound_us", legend, 21)
 
 
 def main() -> int:
-    parser = ab_kernels.layered_ab_parser(
-        __doc__, JSON_NAME, M_VALUES, "variants", VARIANTS, LAYERS, REPS, REPLAYS
-    )
-    args, variants, m_values = ab_kernels.parsed_layered_ab_args(
-        parser, "variants", VARIANTS, "variant"
-    )
-    missing = ab_kernels.sm90_missing()
-    if missing:
-        print(f"error: {missing}", file=sys.stderr)
-        return 2
-    rows = run(m_values, variants, args.layers, args.reps, args.replays)
-    print(table(rows, variants))
     what = (
         "o_proj (residual_sumsq) -> MoE (input norm; router, gate_up, down, combine) -> "
         "next KDA in_proj per layer, µs per layer in bench_moe's CUDA-graph method over "
         "layers with distinct weights; variants leave the router and/or the combine out "
         "(timing bounds, outputs not meaningful); median of 3 interleaved rounds"
     )
-    fields = {"what": what, "layers": args.layers, "reps": args.reps, "replays": args.replays}
-    ab_kernels.write_report(args.out, JSON_NAME, "probe_moe_seams.py", fields, rows)
-    return 0
+    return ab_kernels.layered_probe_main(
+        __doc__, JSON_NAME, "probe_moe_seams.py", M_VALUES, VARIANTS, LAYERS, REPS, REPLAYS, run,
+        table, what,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
