@@ -25,9 +25,8 @@ and the engine A/Bs of 2026-12-03 and 2026-12-04 lost exactly there. Variants:
   by default; ``VLLM_HD_GEMM_PREWAIT=2304x4096:S``);
 * ``combine_late``: the combine lets in_proj launch only after its own wait.
 
-Before timing, each variant's last layer output and KDA state after one chain
-from the same caches must equal ``base``'s bit for bit (the variants move loads
-and launch points, never arithmetic).
+Before timing, each variant's last layer output and KDA states after one chain
+from the same caches must agree with ``base``'s (``_check``).
 """
 
 from __future__ import annotations
@@ -61,6 +60,8 @@ PROJ = HEADS * HEAD_DIM
 IN_ROWS = 3 * PROJ + HEADS + 2 * GATE_RANK
 B_COL, F_A_COL, G_A_COL = 3 * PROJ, 3 * PROJ + HEADS, 3 * PROJ + HEADS + GATE_RANK
 EPS = 1e-5
+# The check before timing (normwise relative difference from base, see _check).
+OUT_LIMIT, STATE_LIMIT = 1e-2, 1e-3
 
 
 class KdaMoeLayer:
@@ -173,8 +174,13 @@ def _buffers(m: int, gen) -> dict:
 
 
 def _check(layers, bufs, variants) -> dict:
-    """Every variant's output and states after one chain from the same caches and
-    input, bit for bit against ``base``'s; refuses to time a variant that differs."""
+    """Every variant's output and KDA states after one chain from the same caches
+    and input against ``base``'s (normwise relative difference, refused above
+    ``OUT_LIMIT`` / ``STATE_LIMIT``). Not bit for bit: o_proj adds its per-token
+    sums of squares with float atomics in arrival order, so even two ``base`` runs
+    may differ in the last bits of the norm (the variants themselves move loads and
+    launch points, never arithmetic; ``test_gemm.py -k prewait`` checks that bit
+    for bit)."""
     import torch
 
     saved = [(lay.conv_state.clone(), lay.state.clone()) for lay in layers]
@@ -192,14 +198,16 @@ def _check(layers, bufs, variants) -> dict:
     base_x, base_state = results["base"]
     if base_x.isnan().any() or base_state.isnan().any():
         raise SystemExit("base chain produced NaN; not timing")
+    checks = {}
     for v, (x, state) in results.items():
-        if not (
-            torch.equal(x.view(torch.int16), base_x.view(torch.int16))
-            and torch.equal(state, base_state)
-        ):
-            raise SystemExit(f"{v}: output or KDA state differs from base; not timing")
+        checks[v] = {
+            "out_rel": ab_kernels._agree(f"{v} vs base (output)", x, base_x, OUT_LIMIT),
+            "state_rel": ab_kernels._agree(
+                f"{v} vs base (KDA state)", state, base_state, STATE_LIMIT
+            ),
+        }
     bufs["x"].copy_(x0)
-    return {v: "bit-identical to base" for v in variants}
+    return checks
 
 
 def run(m_values, variants, layers_n, reps, replays) -> list[dict]:
@@ -240,7 +248,7 @@ def main() -> int:
         "KDA in_proj -> KDA step -> o_proj (residual_sumsq) -> MoE (input norm, the "
         "executor's expert CTAs and L2 policy) per layer, PDL-chained, dummy routing; "
         "µs per layer in bench_moe's CUDA-graph method over layers with distinct weights "
-        "and caches; median of 3 interleaved rounds; variants checked bit-identical to base"
+        "and caches; median of 3 interleaved rounds; variants checked against base first"
     )
     return ab_kernels.layered_probe_main(
         __doc__, JSON_NAME, "probe_kda_layer.py", M_VALUES, VARIANTS, LAYERS, REPS, REPLAYS, run,
