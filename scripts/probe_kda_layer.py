@@ -23,7 +23,10 @@ and the engine A/Bs of 2026-12-03 and 2026-12-04 lost exactly there. Variants:
   engine), instead of one batch of ``unroll`` = 8;
 * ``oproj_prewaitS``: the same for o_proj (8 K-steps a warp, all before the wait
   by default; ``VLLM_HD_GEMM_PREWAIT=2304x4096:S``);
-* ``combine_late``: the combine lets in_proj launch only after its own wait.
+* ``combine_late``: the combine lets in_proj launch only after its own wait;
+* ``gate_up_prewaitS`` / ``down_prewaitS``: the MoE expert launches' first weight
+  batch of S K-steps (``MoeConfig``; ``VLLM_HD_MOE_PREWAIT=G,D`` in the engine)
+  instead of ``unroll`` = 8 (gate_up: 9 steps a warp at M-bucket 1, down: 8).
 
 Before timing, each variant's last layer output and KDA states after one chain
 from the same caches must agree with ``base``'s (``_check``).
@@ -46,11 +49,19 @@ JSON_NAME = "probe_kda_layer.json"
 M_VALUES = "1,2"
 PREWAIT_STEPS = (3, 4, 5, 6, 7)
 O_PROJ_PREWAIT_STEPS = (4, 6)
+# The MoE variants: MoeConfig fields on top of the executor's configuration.
+MOE_VARIANTS = {
+    "combine_late": {"combine_trigger_after_wait": True},
+    "gate_up_prewait4": {"gate_up_prewait_steps": 4},
+    "gate_up_prewait6": {"gate_up_prewait_steps": 6},
+    "down_prewait4": {"down_prewait_steps": 4},
+    "down_prewait6": {"down_prewait_steps": 6},
+}
 VARIANTS = (
     "base",
     *(f"prewait{s}" for s in PREWAIT_STEPS),
     *(f"oproj_prewait{s}" for s in O_PROJ_PREWAIT_STEPS),
-    "combine_late",
+    *MOE_VARIANTS,
 )
 ROUNDS = 3
 LAYERS, REPS, REPLAYS = 4, 2, 20
@@ -113,7 +124,7 @@ class KdaMoeLayer:
         post_norm, next_norm = ((1 + 0.1 * randn(hidden)).to(bf16) for _ in range(2))
         moe_weights = bm.Layer("dummy", gen, None)
         self.moe = {
-            late: PreparedMoe(
+            name: PreparedMoe(
                 moe_weights.gate,
                 moe_weights.bias,
                 moe_weights.w13,
@@ -126,22 +137,17 @@ class KdaMoeLayer:
                 eps=EPS,
                 input_norm_weight=post_norm,
                 input_eps=EPS,
-                config=MoeConfig(
-                    warps=8,
-                    down_warps=4,
-                    warps_max_bucket=1,
-                    combine_trigger_after_wait=late,
-                ),
+                config=MoeConfig(warps=8, down_warps=4, warps_max_bucket=1, **fields),
                 expert_weight_l2_policy="evict_first",
                 expert_weight_l2_policy_max_bucket=4,
             )  # fmt: skip
-            for late in (False, True)
+            for name, fields in {"base": {}, **MOE_VARIANTS}.items()
         }
 
     def run(self, bufs: dict, variant: str) -> None:
         m = bufs["x"].shape[0]
         in_proj = self.in_proj.get(variant, self.in_proj["base"])
-        moe = self.moe[variant == "combine_late"]
+        moe = self.moe.get(variant, self.moe["base"])
         proj = bufs["proj"]
         in_proj.run(bufs["x"], proj)
         self.kda.run(

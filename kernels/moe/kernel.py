@@ -893,7 +893,9 @@ class MoeExpertKernel:
     ``shared_w_ptr`` the shared expert's, of the same per-expert shape.
     ``weight_l2_policy`` (None, "evict_first", "evict_last"): the L2 cache
     policy of the expert weights' loads, shared expert included
-    (``WarpRowTileMma``); None emits the plain loads.
+    (``WarpRowTileMma``); None emits the plain loads. ``prewait_steps``: the
+    K-steps of a unit's first batch of weight loads (None: ``unroll``), the
+    ones issued before the PDL wait where a unit loads before it.
     """
 
     def __init__(
@@ -908,6 +910,7 @@ class MoeExpertKernel:
         warps: int,
         use_pdl: bool = True,
         weight_l2_policy: str | None = None,
+        prewait_steps: int | None = None,
     ):
         if stage not in (STAGE_GATE_UP, STAGE_DOWN):
             raise ValueError(f"unknown stage {stage!r}")
@@ -936,8 +939,14 @@ class MoeExpertKernel:
         # One main loop per MMA width (the 16-token bucket uses both).
         self.mmas = {
             h: WarpRowTileMma(
-                self.k, steps, UNROLL_BY_HALVES[h], h, k_ragged, weight_l2_policy
-            )
+                self.k,
+                steps,
+                UNROLL_BY_HALVES[h],
+                h,
+                k_ragged,
+                weight_l2_policy,
+                prewait_steps,
+            )  # fmt: skip
             for h in range(1, self.halves + 1)
         }
         self.threads = warps * WARP_THREADS

@@ -92,6 +92,11 @@ class MoeConfig:
     # The combine lets the next launch start only after its wait (down
     # complete) instead of at its start (experiment; see moe_notes.md).
     combine_trigger_after_wait: bool = False
+    # The K-steps of the expert launches' first weight batch (the pre-wait one
+    # where a unit loads before its wait), every M-bucket; None: ``unroll``
+    # (experiment; see gemm_notes.md, "Fewer weight steps before the PDL wait").
+    gate_up_prewait_steps: int | None = None
+    down_prewait_steps: int | None = None
 
     @property
     def down_stage_warps(self) -> int:
@@ -363,10 +368,12 @@ class PreparedMoe:
             MoeExpertKernel(
                 STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
                 lanes, gate_up_warps, self.use_pdl, self._expert_l2_policy(bucket),
+                self.config.gate_up_prewait_steps,
             ),
             MoeExpertKernel(
                 STAGE_DOWN, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
                 lanes, down_warps, self.use_pdl, self._expert_l2_policy(bucket),
+                self.config.down_prewait_steps,
             ),
             MoeCombineKernel(
                 s.hidden, s.num_experts, s.top_k, bucket, fused, self.eps,

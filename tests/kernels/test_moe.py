@@ -525,6 +525,48 @@ def test_expert_weight_l2_policy_is_bit_identical(experts, regime, policy):
             _bits_equal(results[policy][what], want, f"{regime} {policy} M={m} {what}")
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"gate_up_prewait_steps": 4},
+        {"down_prewait_steps": 4},
+        {"gate_up_prewait_steps": 0, "down_prewait_steps": 6},
+        {"combine_trigger_after_wait": True},
+    ],
+    ids=["gate_up_4", "down_4", "gate_up_0_down_6", "combine_late"],
+)
+def test_prewait_steps_and_late_combine_are_bit_identical(experts, fields):
+    """The expert launches' first weight batch of fewer K-steps, and the combine
+    triggering its dependent after its wait, move loads and a launch point, not
+    arithmetic: the same table, route weights and output bit for bit as the
+    executor's configuration (8 + 4 warps at M-bucket 1), at every M-bucket and
+    with the fused residual + RMSNorm epilogue."""
+    base = {"warps": 8, "down_warps": 4, "warps_max_bucket": 1}
+    for m in M_BUCKETS:
+        x, gate, bias, residual = _bit_identity_case("dummy", m, 1600)
+        results = []
+        for config in (MoeConfig(**base), MoeConfig(**base, **fields)):
+            moe = PreparedMoe(
+                gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+                experts["shared_down"], TOP_K, SCALE, rmsnorm_weight=experts["gamma"],
+                eps=EPS, config=config, expert_weight_l2_policy="evict_first",
+            )  # fmt: skip
+            out = torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+            residual_out = torch.full_like(out, float("nan"))
+            moe.run(x, out, residual, residual_out)
+            torch.cuda.synchronize()
+            results.append(
+                {
+                    "table": moe.table.clone(),
+                    "route_weights": moe.route_weights[: m * TOP_K].clone(),
+                    "out": out,
+                    "residual_out": residual_out,
+                }
+            )
+        for what, want in results[0].items():
+            _bits_equal(results[1][what], want, f"{fields} M={m} {what}")
+
+
 @pytest.mark.parametrize("down_warps", [None, 4], ids=["down_8", "down_4"])
 @pytest.mark.parametrize("m", [1, 2, 5, 16])
 def test_expert_ctas_of_8_warps(experts, m, down_warps):

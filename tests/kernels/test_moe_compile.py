@@ -10,6 +10,7 @@ with the reason where nvidia-cutlass-dsl is not installed.
 """
 
 import os
+import re
 
 import pytest
 
@@ -296,3 +297,29 @@ def test_router_warp_table_drops_the_cta_wide_pass(tmp_path, path):
     assert _count(base, "shfl.sync.up") > 0 and _count(fast, "shfl.sync.up") == 0
     assert _count(fast, "redux.sync") == _count(base, "redux.sync") == 2 * TOP_K
     assert "ld.local" not in fast and "st.local" not in fast
+
+
+def _expert_kernel(stage, prewait_steps):
+    """The decode's M-bucket-1 expert launch (gate_up 8 warps, down 4) with the
+    executor's evict_first weight loads."""
+    warps = 8 if stage == "gate_up" else 4
+    kern = MoeExpertKernel(
+        stage, HIDDEN, INTER, EXPERTS, TOP_K, 1, slot_lanes_for(1, SHAPE), warps, True,
+        "evict_first", prewait_steps,
+    )  # fmt: skip
+    out = BF16 if stage == "gate_up" else F32
+    return cute.compile(kern, BF16, BF16, BF16, I32, out, M, STREAM)
+
+
+@pytest.mark.parametrize("stage", ["gate_up", "down"])
+@pytest.mark.parametrize(("prewait_steps", "loads"), [(None, 16), (4, 8), (0, 0)])
+def test_expert_prewait_steps_set_the_loads_before_the_pdl_wait(
+    tmp_path, stage, prewait_steps, loads
+):
+    """The unit that loads before the wait (gate_up's shared expert, every down
+    unit) issues two 16-byte weight loads per K-step of its first batch there:
+    ``unroll`` = 8 steps by default, else ``prewait_steps``."""
+    ptx = compiled_ptx(tmp_path, "test_moe_compile", f"_expert_kernel({stage!r}, {prewait_steps})")
+    before, wait, _ = ptx.partition("griddepcontrol.wait;")
+    assert wait
+    assert len(re.findall(r"ld\.global\S*\.v4", before)) == loads

@@ -1098,6 +1098,36 @@ def test_the_kernel_factory_hands_the_prewait_to_the_named_gemm(monkeypatch):
     assert factory.gemm(torch.empty(2304, 4096))["prewait_steps"] is None
 
 
+@pytest.mark.parametrize(
+    ("environ", "steps"),
+    [
+        ({}, (None, None)),
+        ({"VLLM_HD_MOE_PREWAIT": ""}, (None, None)),
+        ({"VLLM_HD_MOE_PREWAIT": "4,6"}, (4, 6)),
+        ({"VLLM_HD_MOE_PREWAIT": "4,"}, (4, None)),
+        ({"VLLM_HD_MOE_PREWAIT": ",0"}, (None, 0)),
+    ],
+)
+def test_the_moe_prewait_switch(environ, steps):
+    assert decode.moe_prewait_from_env(environ) == steps
+
+
+@pytest.mark.parametrize("value", [",", "4", "4,6,8", "4;6", " 4,6", "04,6", "4,100", "-1,4"])
+def test_other_moe_prewait_values_fail_at_start_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VLLM_HD_MOE_PREWAIT", value)
+    with pytest.raises(ValueError, match=f"VLLM_HD_MOE_PREWAIT={value!r}"):
+        decode.KernelFactory()
+
+
+def test_the_kernel_factory_hands_the_moe_prewait_to_the_moe(monkeypatch, moe_prepared):
+    monkeypatch.setenv("VLLM_HD_MOE_PREWAIT", ",4")
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert (config.gate_up_prewait_steps, config.down_prewait_steps) == (None, 4)
+    monkeypatch.delenv("VLLM_HD_MOE_PREWAIT")
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert (config.gate_up_prewait_steps, config.down_prewait_steps) == (None, None)
+
+
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):
     monkeypatch.setenv("VLLM_HD_EXPERT_L2_POLICY", "evict_normal")
     with pytest.raises(ValueError, match="VLLM_HD_EXPERT_L2_POLICY='evict_normal'"):

@@ -206,6 +206,30 @@ def gemm_prewait_from_env(
     return steps
 
 
+# The same for the MoE expert launches, for A/Bs: "G,D", the K-steps of gate_up's
+# and down's first weight batch (an empty side keeps ``unroll``), at every
+# M-bucket; unset or empty: both keep ``unroll``.
+MOE_PREWAIT_ENV = "VLLM_HD_MOE_PREWAIT"
+
+
+def moe_prewait_from_env(
+    environ: dict[str, str] | None = None,
+) -> tuple[int | None, int | None]:
+    """(gate_up, down) first-batch K-steps as ``MOE_PREWAIT_ENV`` asks ((None,
+    None) if unset or empty); raises, naming the variable, on another value."""
+    value = (os.environ if environ is None else environ).get(MOE_PREWAIT_ENV)
+    if not value:
+        return (None, None)
+    match = re.fullmatch(r"([0-9]|[1-9][0-9])?,([0-9]|[1-9][0-9])?", value)
+    if match is None or match[0] == ",":
+        raise ValueError(
+            f"{MOE_PREWAIT_ENV}={value!r}: expected G,D, the K-steps (0-99) of "
+            "gate_up's and down's first weight batch, either side empty to keep "
+            "its default (or unset)"
+        )
+    return tuple(None if side is None else int(side) for side in match.groups())
+
+
 # --------------------------------------------------------------------- kernels
 class KernelFactory:
     """Builds the prepared kernels and the stock ops a step uses.
@@ -235,6 +259,14 @@ class KernelFactory:
             moe_expert_warps = moe_expert_warps_from_env()
         self.moe_expert_warps = moe_expert_warps
         self.gemm_prewait = gemm_prewait_from_env()
+        self.moe_prewait = moe_prewait_from_env()
+        if self.moe_prewait != (None, None):
+            logger.info(
+                "Kimi-Linear specialized decode: the MoE expert launches' first "
+                "weight batch is %s K-steps (gate_up, down; None: unroll) (%s)",
+                self.moe_prewait,
+                MOE_PREWAIT_ENV,
+            )
         if self.gemm_prewait:
             logger.info(
                 "Kimi-Linear specialized decode: GEMM warps load %s K-steps before "
@@ -338,6 +370,8 @@ class KernelFactory:
                 warps=gate_up_warps,
                 down_warps=down_warps,
                 warps_max_bucket=warps_max_bucket,
+                gate_up_prewait_steps=self.moe_prewait[0],
+                down_prewait_steps=self.moe_prewait[1],
             ),
             router_cluster=self.clusters,
             expert_weight_l2_policy=self.expert_l2_policy[0],
