@@ -17,16 +17,18 @@ weights route this way).
 start behind in_proj (its CTAs need SM room while in_proj runs) it cannot see,
 and the engine A/Bs of 2026-12-03 and 2026-12-04 lost exactly there. Variants:
 
-* ``base``: the executor's kernels;
-* ``prewaitS``: in_proj's warps load S of their 18 weight K-steps before the PDL
-  wait (``GemmConfig.prewait_steps``; ``VLLM_HD_GEMM_PREWAIT=12576x2304:S`` in the
-  engine), instead of one batch of ``unroll`` = 8;
+* ``base``: the executor's kernels (in_proj's warps load 3 of their 18 weight
+  K-steps before the PDL wait, the MoE down launches' first weight batch is 6
+  K-steps: ``decode.KDA_IN_PROJ_PREWAIT_STEPS`` / ``MOE_DOWN_PREWAIT_STEPS``);
+* ``prewaitS``: in_proj's warps load S K-steps before the wait
+  (``GemmConfig.prewait_steps``; ``VLLM_HD_GEMM_PREWAIT=12576x2304:S`` in the
+  engine); 8, one batch of ``unroll``, is hd.17's;
 * ``oproj_prewaitS``: the same for o_proj (8 K-steps a warp, all before the wait
   by default; ``VLLM_HD_GEMM_PREWAIT=2304x4096:S``);
-* ``combine_late``: the combine lets in_proj launch only after its own wait;
 * ``gate_up_prewaitS`` / ``down_prewaitS``: the MoE expert launches' first weight
-  batch of S K-steps (``MoeConfig``; ``VLLM_HD_MOE_PREWAIT=G,D`` in the engine)
-  instead of ``unroll`` = 8 (gate_up: 9 steps a warp at M-bucket 1, down: 8).
+  batch of S K-steps (``MoeConfig``; ``VLLM_HD_MOE_PREWAIT=G,D`` in the engine;
+  gate_up: 9 steps a warp at M-bucket 1 and ``unroll`` = 8 by default, down: 8,
+  of which 8 is hd.17's).
 
 Before timing, each variant's last layer output and KDA states after one chain
 from the same caches must agree with ``base``'s (``_check``).
@@ -47,15 +49,16 @@ import ab_kernels  # noqa: E402
 
 JSON_NAME = "probe_kda_layer.json"
 M_VALUES = "1,2"
-PREWAIT_STEPS = (3, 4, 5, 6, 7)
+# The executor's choices (runtime/decode.py), the probe's base.
+IN_PROJ_PREWAIT_STEPS, DOWN_PREWAIT_STEPS = 3, 6
+PREWAIT_STEPS = (4, 5, 6, 7, 8)
 O_PROJ_PREWAIT_STEPS = (4, 6)
-# The MoE variants: MoeConfig fields on top of the executor's configuration.
+# The MoE variants: MoeConfig fields in place of the executor's.
 MOE_VARIANTS = {
-    "combine_late": {"combine_trigger_after_wait": True},
     "gate_up_prewait4": {"gate_up_prewait_steps": 4},
     "gate_up_prewait6": {"gate_up_prewait_steps": 6},
     "down_prewait4": {"down_prewait_steps": 4},
-    "down_prewait6": {"down_prewait_steps": 6},
+    "down_prewait8": {"down_prewait_steps": 8},
 }
 VARIANTS = (
     "base",
@@ -82,7 +85,7 @@ class KdaMoeLayer:
         import torch
 
         import bench_moe as bm
-        from kernels.gemm.prepared import GemmConfig, PreparedGemm, choose_config
+        from kernels.gemm.prepared import PreparedGemm
         from kernels.kda.prepared import PreparedKda
         from kernels.moe.prepared import MoeConfig, PreparedMoe
 
@@ -92,14 +95,13 @@ class KdaMoeLayer:
             return torch.randn(*shape, generator=gen, device=dev) * std
 
         w_in = randn(IN_ROWS, hidden, std=hidden**-0.5).to(bf16)
-        self.in_proj = {"base": PreparedGemm(w_in, "plain")}
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        for steps in PREWAIT_STEPS:
-            config = {}
-            for bucket in (8, 16):
-                c = choose_config(IN_ROWS, hidden, bucket, sms)
-                config[bucket] = GemmConfig(c.warps_k, c.split_k, c.unroll, steps)
-            self.in_proj[f"prewait{steps}"] = PreparedGemm(w_in, "plain", config=config)
+        self.in_proj = {
+            "base": PreparedGemm(w_in, "plain", prewait_steps=IN_PROJ_PREWAIT_STEPS),
+            **{
+                f"prewait{steps}": PreparedGemm(w_in, "plain", prewait_steps=steps)
+                for steps in PREWAIT_STEPS
+            },
+        }
 
         conv = randn(3, PROJ, 4, std=0.5)
         slots = max_m + 1  # slot 0 is the null block
@@ -137,7 +139,12 @@ class KdaMoeLayer:
                 eps=EPS,
                 input_norm_weight=post_norm,
                 input_eps=EPS,
-                config=MoeConfig(warps=8, down_warps=4, warps_max_bucket=1, **fields),
+                config=MoeConfig(
+                    warps=8,
+                    down_warps=4,
+                    warps_max_bucket=1,
+                    **{"down_prewait_steps": DOWN_PREWAIT_STEPS, **fields},
+                ),
                 expert_weight_l2_policy="evict_first",
                 expert_weight_l2_policy_max_bucket=4,
             )  # fmt: skip

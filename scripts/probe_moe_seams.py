@@ -55,16 +55,15 @@ VARIANTS = {
     # The executor's MoE configuration (8-warp gate_up / 4-warp down at M-bucket 1,
     # evict_first expert loads up to M-bucket 4) instead of MoeConfig()'s defaults:
     "engine": (0, 1, 2, 3),
-    # ... with the combine letting in_proj launch only after its wait (down
-    # complete), so in_proj's early weight loads do not overlap down's stream:
-    "engine_combine_late": (0, 1, 2, 3),
-    # ... with in_proj loading 0-7 weight steps a warp before its wait
-    # (its default: one batch of `unroll` = 8 steps):
+    # ... with in_proj loading 0-7 weight steps a warp before its wait (its
+    # default: one batch of `unroll` = 8 steps; the executor's is 3):
     **{f"engine_prewait{steps}": (0, 1, 2, 3) for steps in range(8)},
 }
 ROUTER = 0
 ENGINE = "engine"
 PREWAIT = "engine_prewait"
+# The executor's MoE down first weight batch (decode.MOE_DOWN_PREWAIT_STEPS).
+ENGINE_DOWN_PREWAIT_STEPS = 6
 # The KDA layer's fused input projection (q, k, v, b, f_a, g_a) that follows most MoEs.
 IN_PROJ_ROWS = 3 * 4096 + 32 + 128 + 128
 ROUNDS = 3
@@ -90,32 +89,29 @@ class Chain:
         moe = self.seam.moe_norm
         # o_proj's squares when no router consumes and re-arms the MoE's own sums.
         self.scratch_sums = torch.zeros_like(moe.input_sums)
-        self.moe_engine = {
-            late: PreparedMoe(
-                moe.gate_weight,
-                moe.bias,
-                moe.w13,
-                moe.w2,
-                moe.shared_gate_up,
-                moe.shared_down,
-                moe.top_k,
-                moe.scale,
-                moe.renormalize,
-                rmsnorm_weight=moe.gamma,
-                eps=moe.eps,
-                input_norm_weight=moe.input_gamma,
-                input_eps=moe.input_eps,
-                config=MoeConfig(
-                    warps=8,
-                    down_warps=4,
-                    warps_max_bucket=1,
-                    combine_trigger_after_wait=late,
-                ),
-                expert_weight_l2_policy="evict_first",
-                expert_weight_l2_policy_max_bucket=4,
-            )  # fmt: skip
-            for late in (False, True)
-        }
+        self.moe_engine = PreparedMoe(
+            moe.gate_weight,
+            moe.bias,
+            moe.w13,
+            moe.w2,
+            moe.shared_gate_up,
+            moe.shared_down,
+            moe.top_k,
+            moe.scale,
+            moe.renormalize,
+            rmsnorm_weight=moe.gamma,
+            eps=moe.eps,
+            input_norm_weight=moe.input_gamma,
+            input_eps=moe.input_eps,
+            config=MoeConfig(
+                warps=8,
+                down_warps=4,
+                warps_max_bucket=1,
+                down_prewait_steps=ENGINE_DOWN_PREWAIT_STEPS,
+            ),
+            expert_weight_l2_policy="evict_first",
+            expert_weight_l2_policy_max_bucket=4,
+        )
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.in_proj_prewait = {}
         for steps in range(8):
@@ -129,7 +125,7 @@ class Chain:
         launches = VARIANTS[variant]
         moe, in_proj = self.seam.moe_norm, self.in_proj
         if variant.startswith(ENGINE):
-            moe = self.moe_engine[variant == "engine_combine_late"]
+            moe = self.moe_engine
         if variant.startswith(PREWAIT):
             in_proj = self.in_proj_prewait[int(variant.removeprefix(PREWAIT))]
         sums = moe.input_sums if ROUTER in launches else self.scratch_sums

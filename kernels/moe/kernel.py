@@ -1156,15 +1156,11 @@ class MoeCombineKernel:
         residual_rmsnorm: bool,
         eps: float = 1e-5,
         use_pdl: bool = True,
-        trigger_after_wait: bool = False,
     ):
         if hidden % CHUNK:
             raise ValueError(f"hidden={hidden} must be a multiple of {CHUNK}")
         self.hidden, self.top_k, self.m_bucket = hidden, top_k, m_bucket
         self.residual_rmsnorm, self.eps, self.use_pdl = residual_rmsnorm, eps, use_pdl
-        # Let the next launch start only once this one's wait returned (down
-        # complete), so its early weight loads do not share HBM with down's.
-        self.trigger_after_wait = trigger_after_wait
         self.table = RoutingTable(num_experts, top_k)
         self.chunks = hidden // CHUNK
         self.threads = ceil_div(self.chunks, WARP_THREADS) * WARP_THREADS
@@ -1217,7 +1213,7 @@ class MoeCombineKernel:
         token, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % WARP_THREADS
-        if const_expr(self.use_pdl and not self.trigger_after_wait):
+        if const_expr(self.use_pdl):
             cute.arch.griddepcontrol_launch_dependents()
         smem = cutlass.utils.SmemAllocator()
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
@@ -1259,8 +1255,6 @@ class MoeCombineKernel:
                 cute.autovec_copy(gamma[chunk, None], g)
             if const_expr(self.use_pdl):
                 cute.arch.griddepcontrol_wait()
-                if const_expr(self.trigger_after_wait):
-                    cute.arch.griddepcontrol_launch_dependents()
             # Every expert row at once (one round trip), then the fixed-order
             # sum (shared, choice 0, 1, ...): bit-reproducible.
             parts = [

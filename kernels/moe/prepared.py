@@ -89,12 +89,10 @@ class MoeConfig:
     # pass's four barriers, 15 us less GPU time per 27-layer step at 1 request
     # on the H200 (``moe_notes.md``). False: the CTA-wide pass, the reference.
     router_warp_table: bool = True
-    # The combine lets the next launch start only after its wait (down
-    # complete) instead of at its start (experiment; see moe_notes.md).
-    combine_trigger_after_wait: bool = False
     # The K-steps of the expert launches' first weight batch (the pre-wait one
-    # where a unit loads before its wait), every M-bucket; None: ``unroll``
-    # (experiment; see gemm_notes.md, "Fewer weight steps before the PDL wait").
+    # where a unit loads before its wait), every M-bucket; None: ``unroll``.
+    # The decode executor takes 6 for down (gemm_notes.md, "Fewer weight steps
+    # before the PDL wait in the engine").
     gate_up_prewait_steps: int | None = None
     down_prewait_steps: int | None = None
 
@@ -377,7 +375,7 @@ class PreparedMoe:
             ),
             MoeCombineKernel(
                 s.hidden, s.num_experts, s.top_k, bucket, fused, self.eps,
-                self.use_pdl, self.config.combine_trigger_after_wait,
+                self.use_pdl,
             ),
         )  # fmt: skip
 

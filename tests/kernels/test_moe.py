@@ -531,13 +531,11 @@ def test_expert_weight_l2_policy_is_bit_identical(experts, regime, policy):
         {"gate_up_prewait_steps": 4},
         {"down_prewait_steps": 4},
         {"gate_up_prewait_steps": 0, "down_prewait_steps": 6},
-        {"combine_trigger_after_wait": True},
     ],
-    ids=["gate_up_4", "down_4", "gate_up_0_down_6", "combine_late"],
+    ids=["gate_up_4", "down_4", "gate_up_0_down_6"],
 )
-def test_prewait_steps_and_late_combine_are_bit_identical(experts, fields):
-    """The expert launches' first weight batch of fewer K-steps, and the combine
-    triggering its dependent after its wait, move loads and a launch point, not
+def test_prewait_steps_are_bit_identical(experts, fields):
+    """The expert launches' first weight batch of fewer K-steps moves loads, not
     arithmetic: the same table, route weights and output bit for bit as the
     executor's configuration (8 + 4 warps at M-bucket 1), at every M-bucket and
     with the fused residual + RMSNorm epilogue."""

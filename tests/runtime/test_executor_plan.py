@@ -289,10 +289,11 @@ class FakeKernels(decode.KernelFactory):
         self.log: list = []
         self.built: list = []
 
-    def gemm(self, weight, epilogue="plain", rmsnorm_weight=None, eps=1e-5):
+    def gemm(self, weight, epilogue="plain", rmsnorm_weight=None, eps=1e-5, prewait_steps=None):
         kernel = FakeGemm(
-            self.log, "gemm", weight=weight, epilogue=epilogue, norm=rmsnorm_weight, eps=eps
-        )
+            self.log, "gemm", weight=weight, epilogue=epilogue, norm=rmsnorm_weight, eps=eps,
+            prewait_steps=prewait_steps,
+        )  # fmt: skip
         self.built.append(kernel)
         return kernel
 
@@ -494,6 +495,17 @@ def test_mla_moe_dense_and_norm_tensors_are_the_models_own():
     )  # fmt: skip
     assert o_proj.bound["epilogue"] == "residual_rmsnorm"
     assert o_proj.bound["norm"].data_ptr() == layers[0].post_attention_layernorm.weight.data_ptr()
+
+
+def test_only_the_kda_in_proj_loads_fewer_weight_steps_before_its_wait():
+    model, executor, kernels = build()
+    in_projs = {id(layer.attn.in_proj.weight) for layer in executor.layers
+                if isinstance(layer.attn, decode.KdaLayer)}  # fmt: skip
+    gemms = [k for k in kernels.built if k.kind == "gemm"]
+    assert len(in_projs) == 3
+    for gemm in gemms:
+        want = decode.KDA_IN_PROJ_PREWAIT_STEPS if id(gemm.bound["weight"]) in in_projs else None
+        assert gemm.bound["prewait_steps"] == want
 
 
 def test_o_proj_before_a_moe_leaves_the_norm_to_the_router():
@@ -1043,12 +1055,17 @@ def test_other_moe_expert_warps_fail_at_start_naming_the_variable(monkeypatch, v
 def test_the_kernel_factory_hands_the_expert_warps_to_the_moe(monkeypatch, moe_prepared):
     monkeypatch.delenv("VLLM_HD_MOE_EXPERT_WARPS", raising=False)
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
-    assert config == moe_prepared.MoeConfig(warps=8, down_warps=4, warps_max_bucket=1)
+    assert config == moe_prepared.MoeConfig(
+        warps=8, down_warps=4, warps_max_bucket=1,
+        down_prewait_steps=decode.MOE_DOWN_PREWAIT_STEPS,
+    )  # fmt: skip
     assert config.expert_warps(1) == (8, 4)
     assert [config.expert_warps(b) for b in (2, 4, 8, 16)] == [(4, 4)] * 4
     monkeypatch.setenv("VLLM_HD_MOE_EXPERT_WARPS", "4")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
-    assert config == moe_prepared.MoeConfig(warps=4, down_warps=4)
+    assert config == moe_prepared.MoeConfig(
+        warps=4, down_warps=4, down_prewait_steps=decode.MOE_DOWN_PREWAIT_STEPS
+    )
     assert {config.expert_warps(b) for b in moe_prepared.M_BUCKETS} == {(4, 4)}
     explicit = decode.KernelFactory(clusters=True, moe_expert_warps=(4, 8, 2))
     config = explicit.moe(top_k=8)["config"]
@@ -1091,20 +1108,23 @@ def test_the_kernel_factory_hands_the_prewait_to_the_named_gemm(monkeypatch):
         reason="CuTe DSL is not installed",
     )
     monkeypatch.setattr(prepared, "PreparedGemm", lambda *args, **kwargs: kwargs)
-    monkeypatch.setenv("VLLM_HD_GEMM_PREWAIT", "12576x2304:6")
     factory = decode.KernelFactory(clusters=True)
-    assert factory.gemm(torch.empty(12576, 2304))["prewait_steps"] == 6
-    assert factory.gemm(torch.empty(12576, 1024))["prewait_steps"] is None
+    assert factory.gemm(torch.empty(12576, 2304), prewait_steps=3)["prewait_steps"] == 3
+    assert factory.gemm(torch.empty(12576, 2304))["prewait_steps"] is None
+    monkeypatch.setenv("VLLM_HD_GEMM_PREWAIT", "12576x2304:8")
+    factory = decode.KernelFactory(clusters=True)
+    assert factory.gemm(torch.empty(12576, 2304), prewait_steps=3)["prewait_steps"] == 8
+    assert factory.gemm(torch.empty(12576, 1024), prewait_steps=3)["prewait_steps"] == 3
     assert factory.gemm(torch.empty(2304, 4096))["prewait_steps"] is None
 
 
 @pytest.mark.parametrize(
     ("environ", "steps"),
     [
-        ({}, (None, None)),
-        ({"VLLM_HD_MOE_PREWAIT": ""}, (None, None)),
-        ({"VLLM_HD_MOE_PREWAIT": "4,6"}, (4, 6)),
-        ({"VLLM_HD_MOE_PREWAIT": "4,"}, (4, None)),
+        ({}, (None, 6)),
+        ({"VLLM_HD_MOE_PREWAIT": ""}, (None, 6)),
+        ({"VLLM_HD_MOE_PREWAIT": "4,8"}, (4, 8)),
+        ({"VLLM_HD_MOE_PREWAIT": "4,"}, (4, 6)),
         ({"VLLM_HD_MOE_PREWAIT": ",0"}, (None, 0)),
     ],
 )
@@ -1125,7 +1145,7 @@ def test_the_kernel_factory_hands_the_moe_prewait_to_the_moe(monkeypatch, moe_pr
     assert (config.gate_up_prewait_steps, config.down_prewait_steps) == (None, 4)
     monkeypatch.delenv("VLLM_HD_MOE_PREWAIT")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
-    assert (config.gate_up_prewait_steps, config.down_prewait_steps) == (None, None)
+    assert (config.gate_up_prewait_steps, config.down_prewait_steps) == (None, 6)
 
 
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):

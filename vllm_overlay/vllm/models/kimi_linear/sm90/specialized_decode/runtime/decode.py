@@ -175,12 +175,22 @@ def moe_expert_warps_from_env(
     return (int(parts[0]), int(parts[-1]), int(max_bucket) if max_bucket else None)
 
 
+# The weight K-steps the KDA in_proj's warps load before their PDL wait (of 18
+# a warp) and the MoE down launches' first weight batch, instead of the kernels'
+# one batch of ``unroll`` = 8: in_proj's early loads contend less with the MoE
+# still streaming and the KDA step starts ~13 us earlier under it. In the engine
+# on one H200 (2026-12-04), both together: GPU busy per median step -20 us at
+# N = 1 and -18 at N = 2; either alone -2..-11 (docs/perf/gemm_notes.md, "Fewer
+# weight steps before the PDL wait"). Loads move, arithmetic does not: outputs
+# are bit-identical.
+KDA_IN_PROJ_PREWAIT_STEPS = 3
+MOE_DOWN_PREWAIT_STEPS = 6
+
 # Weight K-steps a warp loads before its PDL wait, by the GEMM's weight shape,
-# for A/Bs: "NxK:S[,NxK:S...]" (e.g. "12576x2304:3", the KDA in_proj); unset or
-# empty: every GEMM keeps its config's one batch of ``unroll`` steps. The MoE ->
-# in_proj chain probe measured 1.1-1.8 us per layer less with 3-7 steps for the
-# KDA in_proj than with its 8 (docs/perf/gemm_notes.md, 2026-12-04); the engine
-# is not measured yet.
+# for A/Bs: "NxK:S[,NxK:S...]" (e.g. "12576x2304:8", the KDA in_proj as in hd.17);
+# it overrides the executor's choice for that shape. Unset or empty: the KDA
+# in_proj takes KDA_IN_PROJ_PREWAIT_STEPS, every other GEMM its config's one
+# batch of ``unroll`` steps.
 GEMM_PREWAIT_ENV = "VLLM_HD_GEMM_PREWAIT"
 
 
@@ -207,19 +217,22 @@ def gemm_prewait_from_env(
 
 
 # The same for the MoE expert launches, for A/Bs: "G,D", the K-steps of gate_up's
-# and down's first weight batch (an empty side keeps ``unroll``), at every
-# M-bucket; unset or empty: both keep ``unroll``.
+# and down's first weight batch at every M-bucket (e.g. ",8": down as in hd.17);
+# an empty side, or unset / empty: gate_up one batch of ``unroll`` steps, down
+# MOE_DOWN_PREWAIT_STEPS.
 MOE_PREWAIT_ENV = "VLLM_HD_MOE_PREWAIT"
+MOE_PREWAIT_DEFAULT = (None, MOE_DOWN_PREWAIT_STEPS)
 
 
 def moe_prewait_from_env(
     environ: dict[str, str] | None = None,
 ) -> tuple[int | None, int | None]:
-    """(gate_up, down) first-batch K-steps as ``MOE_PREWAIT_ENV`` asks ((None,
-    None) if unset or empty); raises, naming the variable, on another value."""
+    """(gate_up, down) first-batch K-steps (None: ``unroll``) as
+    ``MOE_PREWAIT_ENV`` asks, ``MOE_PREWAIT_DEFAULT`` where it is silent; raises,
+    naming the variable, on another value."""
     value = (os.environ if environ is None else environ).get(MOE_PREWAIT_ENV)
     if not value:
-        return (None, None)
+        return MOE_PREWAIT_DEFAULT
     match = re.fullmatch(r"([0-9]|[1-9][0-9])?,([0-9]|[1-9][0-9])?", value)
     if match is None or match[0] == ",":
         raise ValueError(
@@ -227,7 +240,10 @@ def moe_prewait_from_env(
             "gate_up's and down's first weight batch, either side empty to keep "
             "its default (or unset)"
         )
-    return tuple(None if side is None else int(side) for side in match.groups())
+    return tuple(
+        default if side is None else int(side)
+        for side, default in zip(match.groups(), MOE_PREWAIT_DEFAULT)
+    )
 
 
 # --------------------------------------------------------------------- kernels
@@ -260,21 +276,22 @@ class KernelFactory:
         self.moe_expert_warps = moe_expert_warps
         self.gemm_prewait = gemm_prewait_from_env()
         self.moe_prewait = moe_prewait_from_env()
-        if self.moe_prewait != (None, None):
-            logger.info(
-                "Kimi-Linear specialized decode: the MoE expert launches' first "
-                "weight batch is %s K-steps (gate_up, down; None: unroll) (%s)",
-                self.moe_prewait,
-                MOE_PREWAIT_ENV,
-            )
+        logger.info(
+            "Kimi-Linear specialized decode: the MoE expert launches' first weight "
+            "batch is %s K-steps (gate_up, down; None: unroll) (%s=%r)",
+            self.moe_prewait,
+            MOE_PREWAIT_ENV,
+            os.environ.get(MOE_PREWAIT_ENV, ""),
+        )
         if self.gemm_prewait:
             logger.info(
                 "Kimi-Linear specialized decode: GEMM warps load %s K-steps before "
-                "their PDL wait (%s)",
+                "their PDL wait (%s; the KDA in_proj's default: %d)",
                 ", ".join(
                     f"{s} ({n} x {k})" for (n, k), s in self.gemm_prewait.items()
                 ),
                 GEMM_PREWAIT_ENV,
+                KDA_IN_PROJ_PREWAIT_STEPS,
             )
         gate_up_warps, down_warps, warps_max_bucket = self.moe_expert_warps
         logger.info(
@@ -311,7 +328,11 @@ class KernelFactory:
         epilogue: str = EPILOGUE_PLAIN,
         rmsnorm_weight: torch.Tensor | None = None,
         eps: float = 1e-5,
+        prewait_steps: int | None = None,
     ) -> Any:
+        """``prewait_steps``: the weight K-steps a warp loads before its PDL wait
+        (None: the config's ``unroll``); ``GEMM_PREWAIT_ENV`` overrides it by the
+        weight's shape."""
         from ..cutedsl.gemm.prepared import PreparedGemm
 
         return PreparedGemm(
@@ -320,7 +341,7 @@ class KernelFactory:
             rmsnorm_weight=rmsnorm_weight,
             eps=eps,
             cluster_split_k=self.clusters,
-            prewait_steps=self.gemm_prewait.get(tuple(weight.shape)),
+            prewait_steps=self.gemm_prewait.get(tuple(weight.shape), prewait_steps),
         )
 
     def grouped_gemm(self, weight: torch.Tensor) -> Any:
@@ -1064,8 +1085,13 @@ class KimiLinearDecodeExecutor:
         out: str,
         out_width: int,
         epilogue: str = EPILOGUE_PLAIN,
+        prewait_steps: int | None = None,
     ) -> None:
-        gemm = self._kernel(index, op, lambda: self.kernels.gemm(weight, epilogue))
+        gemm = self._kernel(
+            index,
+            op,
+            lambda: self.kernels.gemm(weight, epilogue, prewait_steps=prewait_steps),
+        )
         bufs = self.buffers
         bufs.add(out, out_width)
 
@@ -1084,7 +1110,7 @@ class KimiLinearDecodeExecutor:
         # the f_a / g_a columns, so nothing runs between the two.
         self._plan_gemm(
             i, "kda_in_proj", kda.in_proj.weight, x, self.hidden, "kda_proj",
-            kda.in_proj.weight.shape[0],
+            kda.in_proj.weight.shape[0], prewait_steps=KDA_IN_PROJ_PREWAIT_STEPS,
         )  # fmt: skip
         q0, k0, v0, b0, fa0, ga0 = kda.in_proj.offsets
         width = kda.in_proj.weight.shape[0]
