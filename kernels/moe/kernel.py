@@ -893,9 +893,10 @@ class MoeExpertKernel:
     ``shared_w_ptr`` the shared expert's, of the same per-expert shape.
     ``weight_l2_policy`` (None, "evict_first", "evict_last"): the L2 cache
     policy of the expert weights' loads, shared expert included
-    (``WarpRowTileMma``); None emits the plain loads. ``prewait_steps``: the
-    K-steps of a unit's first batch of weight loads (None: ``unroll``), the
-    ones issued before the PDL wait where a unit loads before it.
+    (``WarpRowTileMma``); None emits the plain loads. ``prewait_steps``: at
+    most this many K-steps in a unit's first batch of weight loads (None:
+    ``unroll``), the ones issued before the PDL wait where a unit loads before
+    it; a warp with fewer steps loads them all there.
     """
 
     def __init__(
@@ -936,6 +937,10 @@ class MoeExpertKernel:
         if steps * (warps - 1) >= total_steps:
             raise ValueError(f"{warps} warps leave one without K work for K={self.k}")
         k_ragged = steps * warps * STEP_K != self.k
+        # One config serves every M-bucket and warp count (MoeConfig): an
+        # 8-warp down has 4 steps a warp where a 4-warp one has 8.
+        if prewait_steps is not None:
+            prewait_steps = min(prewait_steps, steps)
         # One main loop per MMA width (the 16-token bucket uses both).
         self.mmas = {
             h: WarpRowTileMma(

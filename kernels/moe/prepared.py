@@ -90,7 +90,8 @@ class MoeConfig:
     # on the H200 (``moe_notes.md``). False: the CTA-wide pass, the reference.
     router_warp_table: bool = True
     # The K-steps of the expert launches' first weight batch (the pre-wait one
-    # where a unit loads before its wait), every M-bucket; None: ``unroll``.
+    # where a unit loads before its wait), at most this many, every M-bucket;
+    # None: ``unroll``.
     # The decode executor takes 6 for down (gemm_notes.md, "Fewer weight steps
     # before the PDL wait in the engine").
     gate_up_prewait_steps: int | None = None

@@ -299,10 +299,10 @@ def test_router_warp_table_drops_the_cta_wide_pass(tmp_path, path):
     assert "ld.local" not in fast and "st.local" not in fast
 
 
-def _expert_kernel(stage, prewait_steps):
-    """The decode's M-bucket-1 expert launch (gate_up 8 warps, down 4) with the
-    executor's evict_first weight loads."""
-    warps = 8 if stage == "gate_up" else 4
+def _expert_kernel(stage, prewait_steps, warps=None):
+    """The decode's M-bucket-1 expert launch (gate_up 8 warps, down 4 unless
+    ``warps``) with the executor's evict_first weight loads."""
+    warps = warps or (8 if stage == "gate_up" else 4)
     kern = MoeExpertKernel(
         stage, HIDDEN, INTER, EXPERTS, TOP_K, 1, slot_lanes_for(1, SHAPE), warps, True,
         "evict_first", prewait_steps,
@@ -312,7 +312,7 @@ def _expert_kernel(stage, prewait_steps):
 
 
 @pytest.mark.parametrize("stage", ["gate_up", "down"])
-@pytest.mark.parametrize(("prewait_steps", "loads"), [(None, 16), (4, 8), (0, 0)])
+@pytest.mark.parametrize(("prewait_steps", "loads"), [(None, 16), (6, 12), (4, 8), (0, 0)])
 def test_expert_prewait_steps_set_the_loads_before_the_pdl_wait(
     tmp_path, stage, prewait_steps, loads
 ):
@@ -323,3 +323,16 @@ def test_expert_prewait_steps_set_the_loads_before_the_pdl_wait(
     before, wait, _ = ptx.partition("griddepcontrol.wait;")
     assert wait
     assert len(re.findall(r"ld\.global\S*\.v4", before)) == loads
+
+
+def test_more_prewait_steps_than_a_warp_has_load_them_all_before_the_wait(tmp_path):
+    """An 8-warp down has 4 K-steps a warp: the executor's 6 (meant for the 4-warp
+    down's 8) compiles to the default's PTX, all 4 steps before the wait."""
+    ptx = {}
+    for steps in (None, 6):
+        (tmp_path / str(steps)).mkdir()
+        call = f"_expert_kernel('down', {steps}, 8)"
+        ptx[steps] = compiled_ptx(tmp_path / str(steps), "test_moe_compile", call)
+    assert ptx[6] == ptx[None]
+    before, wait, _ = ptx[6].partition("griddepcontrol.wait;")
+    assert wait and len(re.findall(r"ld\.global\S*\.v4", before)) == 8
