@@ -286,10 +286,12 @@ class FakeMlaAttention(Recorder):
 
 class FakeKernels(decode.KernelFactory):
     def __init__(self) -> None:
+        super().__init__(clusters=True)
         self.log: list = []
         self.built: list = []
 
     def gemm(self, weight, epilogue="plain", rmsnorm_weight=None, eps=1e-5, prewait_steps=None):
+        self.gemm_shapes.add(tuple(weight.shape))
         kernel = FakeGemm(
             self.log, "gemm", weight=weight, epilogue=epilogue, norm=rmsnorm_weight, eps=eps,
             prewait_steps=prewait_steps,
@@ -1116,6 +1118,56 @@ def test_the_kernel_factory_hands_the_prewait_to_the_named_gemm(monkeypatch):
     assert factory.gemm(torch.empty(12576, 2304), prewait_steps=3)["prewait_steps"] == 8
     assert factory.gemm(torch.empty(12576, 1024), prewait_steps=3)["prewait_steps"] == 3
     assert factory.gemm(torch.empty(2304, 4096))["prewait_steps"] is None
+
+
+def test_the_kernel_factory_names_the_switch_when_a_gemm_cannot_take_its_steps(
+    monkeypatch,
+):
+    prepared = pytest.importorskip(
+        "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.gemm.prepared",
+        reason="CuTe DSL is not installed",
+    )
+
+    def refuse(weight, *args, prewait_steps=None, **kwargs):
+        if prewait_steps is not None and prewait_steps > 18:
+            raise ValueError(f"prewait_steps={prewait_steps} outside 0..18")
+        return prewait_steps
+
+    monkeypatch.setattr(prepared, "PreparedGemm", refuse)
+    monkeypatch.setenv("VLLM_HD_GEMM_PREWAIT", "12576x2304:20")
+    factory = decode.KernelFactory(clusters=True)
+    with pytest.raises(
+        ValueError,
+        match=r"VLLM_HD_GEMM_PREWAIT='12576x2304:20': the 12576x2304 GEMM cannot take "
+        r"20 pre-wait K-steps: prewait_steps=20 outside 0..18",
+    ):
+        factory.gemm(torch.empty(12576, 2304))
+    # Without the switch the kernel's own message is not rewritten.
+    monkeypatch.delenv("VLLM_HD_GEMM_PREWAIT")
+    with pytest.raises(ValueError, match=r"^prewait_steps=20 outside 0\.\.18$"):
+        decode.KernelFactory(clusters=True).gemm(torch.empty(12576, 2304), prewait_steps=20)
+
+
+def test_a_gemm_prewait_shape_no_gemm_has_fails_at_start(monkeypatch):
+    monkeypatch.setenv("VLLM_HD_GEMM_PREWAIT", "12576x2304:3")
+    with pytest.raises(ValueError) as failure:
+        build()
+    message = str(failure.value)
+    assert message.startswith(
+        "VLLM_HD_GEMM_PREWAIT='12576x2304:3' names 12576x2304, which no GEMM of this "
+        "model has; its GEMMs' weight shapes are "
+    )
+    # The stand-in model's own shapes are listed, the asked one is not.
+    listed = message.rsplit("are ", 1)[1].split(", ")
+    assert listed and "12576x2304" not in listed
+
+
+def test_a_gemm_prewait_shape_the_model_has_passes_the_start_check(monkeypatch):
+    _, _, probe = build()
+    shape = min(probe.gemm_shapes)
+    monkeypatch.setenv("VLLM_HD_GEMM_PREWAIT", f"{shape[0]}x{shape[1]}:2")
+    _, _, kernels = build()
+    assert kernels.gemm_prewait == {shape: 2}
 
 
 @pytest.mark.parametrize(

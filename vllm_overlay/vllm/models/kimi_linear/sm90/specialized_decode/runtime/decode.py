@@ -275,6 +275,9 @@ class KernelFactory:
             moe_expert_warps = moe_expert_warps_from_env()
         self.moe_expert_warps = moe_expert_warps
         self.gemm_prewait = gemm_prewait_from_env()
+        # The weight shapes of the GEMMs built so far: check_gemm_prewait_matched
+        # names these when the switch asks for a shape that is not among them.
+        self.gemm_shapes: set[tuple[int, int]] = set()
         self.moe_prewait = moe_prewait_from_env()
         logger.info(
             "Kimi-Linear specialized decode: the MoE expert launches' first weight "
@@ -335,14 +338,39 @@ class KernelFactory:
         weight's shape."""
         from ..cutedsl.gemm.prepared import PreparedGemm
 
-        return PreparedGemm(
-            weight,
-            epilogue,
-            rmsnorm_weight=rmsnorm_weight,
-            eps=eps,
-            cluster_split_k=self.clusters,
-            prewait_steps=self.gemm_prewait.get(tuple(weight.shape), prewait_steps),
-        )
+        shape = tuple(weight.shape)
+        self.gemm_shapes.add(shape)
+        asked = self.gemm_prewait.get(shape)
+        try:
+            return PreparedGemm(
+                weight,
+                epilogue,
+                rmsnorm_weight=rmsnorm_weight,
+                eps=eps,
+                cluster_split_k=self.clusters,
+                prewait_steps=prewait_steps if asked is None else asked,
+            )
+        except ValueError as err:
+            if asked is None:
+                raise
+            raise ValueError(
+                f"{GEMM_PREWAIT_ENV}={os.environ.get(GEMM_PREWAIT_ENV, '')!r}: "
+                f"the {shape[0]}x{shape[1]} GEMM cannot take {asked} pre-wait "
+                f"K-steps: {err}"
+            ) from err
+
+    def check_gemm_prewait_matched(self) -> None:
+        """Raise if ``GEMM_PREWAIT_ENV`` names a weight shape that no GEMM built
+        by this factory has (a mistyped shape would leave an A/B measuring the
+        defaults)."""
+        unmatched = sorted(set(self.gemm_prewait) - self.gemm_shapes)
+        if unmatched:
+            raise ValueError(
+                f"{GEMM_PREWAIT_ENV}={os.environ.get(GEMM_PREWAIT_ENV, '')!r} names "
+                f"{', '.join(f'{n}x{k}' for n, k in unmatched)}, which no GEMM of "
+                "this model has; its GEMMs' weight shapes are "
+                f"{', '.join(f'{n}x{k}' for n, k in sorted(self.gemm_shapes))}"
+            )
 
     def grouped_gemm(self, weight: torch.Tensor) -> Any:
         from ..cutedsl.gemm.prepared import PreparedGroupedGemm
@@ -928,6 +956,7 @@ class KimiLinearDecodeExecutor:
         self.plan: list[Step] = []
         self._output = ""
         self._build_plan()
+        self.kernels.check_gemm_prewait_matched()
         kernel_extra = sum(
             int(getattr(k, "extra_bytes", 0)) + int(getattr(k, "workspace_bytes", 0))
             for k in self._kernels.values()
