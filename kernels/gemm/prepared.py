@@ -24,6 +24,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
+from ..common.compile_cache import compile_kernel
 from ..common.host import gmem_ptr
 from ..common.l2_policy import l2_policy_value
 from .kernel import (
@@ -392,8 +393,8 @@ class PreparedGemm:
             bf16 = _ptr(self.weight, cutlass.BFloat16)
             w, g, p, cnt, sq = self._static_ptrs
             start = time.perf_counter()
-            _COMPILED[key] = cute.compile(
-                kern, bf16, w, bf16, bf16, bf16, g, p, cnt, sq,
+            _COMPILED[key] = compile_kernel(
+                "gemm", key, kern, bf16, w, bf16, bf16, bf16, g, p, cnt, sq,
                 cutlass.Int32(1), cuda.CUstream(0),
             )  # fmt: skip
             COMPILE_SECONDS[key] = time.perf_counter() - start
@@ -558,9 +559,9 @@ class PreparedGroupedGemm:
                 )  # fmt: skip
                 w, p, cnt = self._static_ptrs
                 start = time.perf_counter()
-                _COMPILED[key] = cute.compile(
-                    kern, w, w, w, w, w, w, p, cnt, p, cutlass.Int32(1),
-                    cuda.CUstream(0),
+                _COMPILED[key] = compile_kernel(
+                    "grouped_gemm", key, kern, w, w, w, w, w, w, p, cnt, p,
+                    cutlass.Int32(1), cuda.CUstream(0),
                 )  # fmt: skip
                 COMPILE_SECONDS[key] = time.perf_counter() - start
             self._fns[(bucket, x_strides)] = _COMPILED[key]

@@ -18,9 +18,9 @@ host sync); active rows must own distinct slots, as in vLLM.
 import time
 
 import cutlass
-import cutlass.cute as cute
 import torch
 
+from ..common.compile_cache import compile_kernel
 from ..common.host import current_stream, gmem_ptr
 from .kernel import (
     CONV_TAPS,
@@ -266,9 +266,10 @@ class PreparedKda:
             slots = gmem_ptr(self.a_log, cutlass.Int32, 4)
             conv, state = self._cache_ptrs
             start = time.perf_counter()
-            _COMPILED[key] = cute.compile(
-                kern, bf16, bf16, bf16, bf16, bf16, bf16, *self._static_ptrs, slots,
-                conv, state, bf16, cutlass.Int32(1), *self._slot_strides,
+            _COMPILED[key] = compile_kernel(
+                "kda", key, kern, bf16, bf16, bf16, bf16, bf16, bf16,
+                *self._static_ptrs, slots, conv, state, bf16, cutlass.Int32(1),
+                *self._slot_strides,
                 current_stream(self.device),
             )  # fmt: skip
             COMPILE_SECONDS[key] = time.perf_counter() - start

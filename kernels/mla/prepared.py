@@ -15,9 +15,9 @@ import time
 
 import cuda.bindings.driver as cuda
 import cutlass
-import cutlass.cute as cute
 import torch
 
+from ..common.compile_cache import compile_kernel
 from ..common.host import current_stream, gmem_ptr
 from .kernel import (
     CHUNK,
@@ -88,9 +88,10 @@ class PreparedMlaCacheRow:
             bf16 = gmem_ptr(self.cache, cutlass.BFloat16)
             slots = gmem_ptr(self.cache, cutlass.Int64, assumed_align=8)
             start = time.perf_counter()
-            _COMPILED[key] = cute.compile(
-                kern, bf16, bf16, slots, bf16, cutlass.Int32(1), cuda.CUstream(0)
-            )
+            _COMPILED[key] = compile_kernel(
+                "mla_cache_row", key, kern, bf16, bf16, slots, bf16,
+                cutlass.Int32(1), cuda.CUstream(0),
+            )  # fmt: skip
             COMPILE_SECONDS[key] = time.perf_counter() - start
         self._fns[x_row_stride] = _COMPILED[key]
         return _COMPILED[key]
@@ -224,20 +225,12 @@ class PreparedMlaDecodeAttention:
             stream = cuda.CUstream(0)
             start = time.perf_counter()
             _COMPILED[full] = (
-                cute.compile(
-                    split,
-                    bf16,
-                    bf16,
-                    bf16,
-                    i32,
-                    cutlass.Int32(1),
-                    i32,
-                    f32,
-                    f32,
-                    stream,
+                compile_kernel(
+                    "mla_split", full, split, bf16, bf16, bf16, i32,
+                    cutlass.Int32(1), i32, f32, f32, stream,
                 ),
-                cute.compile(merge, f32, f32, i32, bf16, stream),
-            )
+                compile_kernel("mla_merge", full, merge, f32, f32, i32, bf16, stream),
+            )  # fmt: skip
             COMPILE_SECONDS[full] = time.perf_counter() - start
         self._fns[key] = _COMPILED[full]
         return _COMPILED[full]

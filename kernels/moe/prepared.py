@@ -24,6 +24,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
+from ..common.compile_cache import compile_kernel
 from ..common.host import current_stream, gmem_ptr
 from ..common.l2_policy import l2_policy_value
 from ..common.skinny_mma import CHUNK, LANES_PER_QUAD, MAX_TOKENS, ceil_div
@@ -403,18 +404,21 @@ class PreparedMoe:
                 m, stream = cutlass.Int32(1), cuda.CUstream(0)
                 start = time.perf_counter()
                 _COMPILED[key] = (
-                    cute.compile(
-                        router, x, _ptr(self.gate_weight, bf16),
+                    compile_kernel(
+                        "moe_router", key, router, x, _ptr(self.gate_weight, bf16),
                         _ptr(self.bias, f32), _ptr(self.partials, f32),
                         _ptr(self.logits, f32), _ptr(self.counters, i32), tab,
                         wts, _ptr(self.input_sums, f32), x, x, m, stream,
                     ),
-                    cute.compile(
-                        gate_up, x, w13, w13, tab, x, m, stream
+                    compile_kernel(
+                        "moe_gate_up", key, gate_up, x, w13, w13, tab, x, m, stream
                     ),
-                    cute.compile(down, x, w2, w2, tab, y, m, stream),
-                    cute.compile(
-                        combine, y, tab, wts, x, x, x, x, m, stream
+                    compile_kernel(
+                        "moe_down", key, down, x, w2, w2, tab, y, m, stream
+                    ),
+                    compile_kernel(
+                        "moe_combine", key, combine, y, tab, wts, x, x, x, x, m,
+                        stream,
                     ),
                 )  # fmt: skip
                 COMPILE_SECONDS[key] = time.perf_counter() - start

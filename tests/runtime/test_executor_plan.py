@@ -1208,3 +1208,59 @@ def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypa
     assert decode.KernelFactory().expert_l2_policy == decode.DEFAULT_EXPERT_L2_POLICY
     explicit = ("evict_last", 8)
     assert decode.KernelFactory(expert_l2_policy=explicit).expert_l2_policy == explicit
+
+
+@pytest.mark.parametrize(
+    "environ, path",
+    [
+        ({}, None),
+        ({"VLLM_HD_KERNEL_CACHE": ""}, None),
+        ({"VLLM_HD_KERNEL_CACHE": "0"}, None),
+        ({"VLLM_HD_KERNEL_CACHE": "1"}, "/vllm-cache/hopper_decode/cutedsl"),
+        ({"VLLM_HD_KERNEL_CACHE": "/data/kernels"}, "/data/kernels"),
+        ({"VLLM_HD_KERNEL_CACHE": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}, None),
+        ({"VLLM_HD_KERNEL_CACHE": "/data/kernels", "VLLM_DISABLE_COMPILE_CACHE": "0"},
+         "/data/kernels"),
+    ],
+)  # fmt: skip
+def test_the_kernel_cache_switch(environ, path):
+    assert decode.kernel_cache_dir_from_env(environ, cache_root="/vllm-cache") == path
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "relative/kernels", "~/kernels"])
+def test_other_kernel_cache_values_fail_at_start_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VLLM_HD_KERNEL_CACHE", value)
+    with pytest.raises(ValueError, match=f"VLLM_HD_KERNEL_CACHE={value!r}"):
+        decode.KernelFactory()
+
+
+@pytest.fixture
+def compile_cache():
+    """The kernels' compile cache module, off again after the test."""
+    cache = pytest.importorskip(
+        "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.common.compile_cache",
+        reason="CuTe DSL is not installed",
+    )
+    yield cache
+    cache.configure(None)
+
+
+def test_the_kernel_factory_configures_the_kernel_cache(monkeypatch, tmp_path, compile_cache):
+    monkeypatch.delenv("VLLM_HD_KERNEL_CACHE", raising=False)
+    factory = decode.KernelFactory()
+    assert factory.kernel_cache is None and compile_cache.cache_directory() is None
+    assert factory.kernel_cache_note() == ""
+    monkeypatch.setenv("VLLM_HD_KERNEL_CACHE", str(tmp_path / "kernels"))
+    factory = decode.KernelFactory()
+    assert compile_cache.cache_directory() == tmp_path / "kernels"
+    assert (tmp_path / "kernels").is_dir()
+    assert factory.kernel_cache_note().startswith(f"; kernel cache {tmp_path / 'kernels'}: ")
+
+
+def test_an_unusable_kernel_cache_directory_fails_at_start(monkeypatch, tmp_path, compile_cache):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("VLLM_HD_KERNEL_CACHE", str(blocker / "kernels"))
+    with pytest.raises(ValueError, match="VLLM_HD_KERNEL_CACHE: kernel cache directory"):
+        decode.KernelFactory()
+    assert compile_cache.cache_directory() is None

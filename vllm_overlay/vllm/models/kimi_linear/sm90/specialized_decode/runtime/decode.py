@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,6 +247,48 @@ def moe_prewait_from_env(
     )
 
 
+# The compiled CuTe DSL kernels kept on disk between engine starts
+# (cutedsl/common/compile_cache.py): "1" under vLLM's cache root, an absolute path
+# in that directory; unset or "0" off (until the H200 has run the cached kernels).
+# VLLM_DISABLE_COMPILE_CACHE=1, vLLM's switch for its own compile cache, keeps it off.
+KERNEL_CACHE_ENV = "VLLM_HD_KERNEL_CACHE"
+KERNEL_CACHE_SUBDIR = os.path.join("hopper_decode", "cutedsl")
+
+
+def kernel_cache_dir_from_env(
+    environ: dict[str, str] | None = None, cache_root: str | None = None
+) -> str | None:
+    """The kernel cache directory ``KERNEL_CACHE_ENV`` asks for (None: off);
+    raises, naming the variable, on another value. ``cache_root`` defaults to
+    vLLM's ``VLLM_CACHE_ROOT``."""
+    env = os.environ if environ is None else environ
+    value = env.get(KERNEL_CACHE_ENV, "").strip()
+    if value in ("", "0"):
+        return None
+    if value == "1":
+        if cache_root is None:
+            import vllm.envs as envs
+
+            cache_root = envs.VLLM_CACHE_ROOT
+        path = os.path.join(cache_root, KERNEL_CACHE_SUBDIR)
+    elif os.path.isabs(value):
+        path = value
+    else:
+        raise ValueError(
+            f"{KERNEL_CACHE_ENV}={value!r}: expected 0 (off), 1 (under "
+            "VLLM_CACHE_ROOT) or an absolute directory"
+        )
+    if env.get("VLLM_DISABLE_COMPILE_CACHE", "0").strip() not in ("", "0"):
+        logger.info(
+            "Kimi-Linear specialized decode: VLLM_DISABLE_COMPILE_CACHE is set, so "
+            "the kernels compile without %s's cache (%s)",
+            KERNEL_CACHE_ENV,
+            path,
+        )
+        return None
+    return path
+
+
 # --------------------------------------------------------------------- kernels
 class KernelFactory:
     """Builds the prepared kernels and the stock ops a step uses.
@@ -279,6 +322,19 @@ class KernelFactory:
         # names these when the switch asks for a shape that is not among them.
         self.gemm_shapes: set[tuple[int, int]] = set()
         self.moe_prewait = moe_prewait_from_env()
+        self.kernel_cache = kernel_cache_dir_from_env()
+        if self.kernel_cache is not None:
+            from ..cutedsl.common import compile_cache
+
+            try:
+                compile_cache.configure(self.kernel_cache)
+            except ValueError as err:
+                raise ValueError(f"{KERNEL_CACHE_ENV}: {err}") from err
+            logger.info(
+                "Kimi-Linear specialized decode: compiled kernels are kept in %s (%s)",
+                self.kernel_cache,
+                KERNEL_CACHE_ENV,
+            )
         logger.info(
             "Kimi-Linear specialized decode: the MoE expert launches' first weight "
             "batch is %s K-steps (gate_up, down; None: unroll) (%s=%r)",
@@ -358,6 +414,20 @@ class KernelFactory:
                 f"the {shape[0]}x{shape[1]} GEMM cannot take {asked} pre-wait "
                 f"K-steps: {err}"
             ) from err
+
+    def kernel_cache_note(self) -> str:
+        """What the kernel cache did so far in this process, for a log line
+        ("" when it is off)."""
+        if self.kernel_cache is None:
+            return ""
+        from ..cutedsl.common import compile_cache
+
+        stats = compile_cache.STATS
+        return (
+            f"; kernel cache {self.kernel_cache}: {stats.loaded} variants loaded, "
+            f"{stats.compiled} compiled, {stats.load_failures} failed to load, "
+            f"{stats.write_failures} not written (this process)"
+        )
 
     def check_gemm_prewait_matched(self) -> None:
         """Raise if ``GEMM_PREWAIT_ENV`` names a weight shape that no GEMM built
@@ -1489,11 +1559,18 @@ class KimiLinearDecodeExecutor:
         module loading happen before CUDA graph capture. Needs bound caches."""
         if not self.is_bound:
             raise RuntimeError("warmup needs bound KV caches (bind_kv_caches)")
+        start = time.perf_counter()
         for batch in self.batch_sizes:
             ctx = StepContext(batch, None, self._padding_slots.long())
             for step in self.plan:
                 if step.op != "embedding":
                     step.launch(ctx)
+        logger.info(
+            "Kimi-Linear specialized decode: warm-up launches (kernel compiles and "
+            "module loads) took %.1f s%s",
+            time.perf_counter() - start,
+            self.kernels.kernel_cache_note(),
+        )
 
     # ------------------------------------------------------------------ running
     def run(
