@@ -33,9 +33,9 @@
 #                                        # results stay on the host (HD_AB_DIR, default /tmp),
 #                                        # so one value per call works too
 #   sh ci/gpu/device_session.sh save-caches         # the host's Triton cache (with the
-#                                        # autotuning results) into $OUT in <= 15 MiB pieces;
-#                                        # put them in .gpu-cache/ and carry it: a fresh host
-#                                        # unpacks them first
+#                                        # autotuning results) and kernel cache (if any) into
+#                                        # $OUT in <= 15 MiB pieces; put them in .gpu-cache/
+#                                        # and carry it: a fresh host unpacks them first
 #   sh ci/gpu/device_session.sh save-autotune        # only Triton's autotuning results
 #                                        # (*.autotune.json, a few KB) into
 #                                        # $OUT/triton-autotune-h200.tgz: commit it as
@@ -45,6 +45,11 @@
 #                                        # (ci/upstream_tests.yaml); carry build/upstream-tests
 #                                        # and .gpu-bundle/upstream-tests (its test packages:
 #                                        # python3 ci/gpu/serve_wheels.py --profile upstream-tests)
+#
+# HD_KERNEL_CACHE=1 in front of any of these: the engines keep their compiled CuTe DSL kernels
+# in HD_KERNELS_DIR (default /tmp/hd-kernels; VLLM_HD_KERNEL_CACHE), so only the first engine
+# on a host compiles them (each engine log's "warm-up launches ... took" line says what it
+# loaded and compiled).
 #
 # The bench roles keep their results in /tmp/hd-bench (same host, back-to-back calls); the
 # second one writes decode.{json,md} (with the e2e correctness record when `e2e` ran on this
@@ -59,9 +64,14 @@ TRITON="${HD_TRITON_DIR:-/tmp/hd-triton}"
 AUTOTUNE_ARCHIVE=triton-autotune-h200.tgz
 # Autotuning results go into the Triton cache too: a fresh host given it (.gpu-cache/, from
 # save-caches) skips the KDA prefill autotuning at the first prefill (2026-12-01: engine start
-# ~200 -> ~80 s for the specialized engine, ~30 s for stock). CuTe DSL 4.6.0 kept no file
-# cache of our cute.compile calls, so their compiles still run at every engine start.
+# ~200 -> ~80 s for the specialized engine, ~30 s for stock). CuTe DSL 4.6.0 keeps no file
+# cache of our cute.compile calls: their compiles run at every engine start unless
+# HD_KERNEL_CACHE=1 (the kernel cache, saved and unpacked with the Triton cache).
 export TRITON_CACHE_AUTOTUNING=1
+KERNELS="${HD_KERNELS_DIR:-/tmp/hd-kernels}"
+if [ "${HD_KERNEL_CACHE:-0}" = 1 ]; then
+    export VLLM_HD_KERNEL_CACHE="$KERNELS"
+fi
 if ls .gpu-cache/caches.tgz.* > /dev/null 2>&1 && [ ! -d "$TRITON" ]; then
     cat .gpu-cache/caches.tgz.* | tar xzf - -C / && echo "caches: unpacked .gpu-cache"
 fi
@@ -198,9 +208,14 @@ if k.startswith('profile_n') and v})" "$OUT/ab-$tag.json"
     done
     ;;
 save-caches)
-    tar czf /tmp/hd-caches.tgz -C / "${TRITON#/}"
+    if [ -d "$KERNELS" ]; then
+        tar czf /tmp/hd-caches.tgz -C / "${TRITON#/}" "${KERNELS#/}"
+    else
+        tar czf /tmp/hd-caches.tgz -C / "${TRITON#/}"
+    fi
     split -b 15m -d /tmp/hd-caches.tgz "$OUT/caches.tgz."
     du -sh "$TRITON" /tmp/hd-caches.tgz
+    if [ -d "$KERNELS" ]; then du -sh "$KERNELS"; fi
     ;;
 save-autotune)
     found=$( (cd "$TRITON" 2>/dev/null && find . -name '*.autotune.json') | sort)

@@ -36,6 +36,7 @@ events = [
 with gzip.open(traces / "trace-latency_specialized-n1.json.gz", "wt") as f:
     json.dump({"traceEvents": events}, f)
 print("latency_specialized N=1: [%.3f] ms" % (busy / 1000))
+print("specialized decode: kernel cache %s" % os.environ.get("VLLM_HD_KERNEL_CACHE", "off"))
 """
 
 
@@ -126,3 +127,58 @@ def test_autotuning_results_are_saved_alone_and_unpacked_on_a_fresh_host(tmp_pat
     done = session("save-autotune")
     assert "unpacked" not in done.stdout
     assert done.returncode == 1 and "no autotuning results" in done.stderr
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+def test_kernel_cache_reaches_the_engines_and_the_saved_caches(tmp_path):
+    """HD_KERNEL_CACHE=1 gives every engine VLLM_HD_KERNEL_CACHE=HD_KERNELS_DIR (off
+    without it); save-caches packs that directory beside the Triton cache when it
+    exists, and the Triton cache alone otherwise."""
+    import tarfile
+
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    (tree / "ci" / "gpu").mkdir(parents=True)
+    shutil.copy(ROOT / "ci/gpu/device_session.sh", tree / "ci/gpu")
+    shutil.copy(ROOT / "scripts/trace_seams.py", tree / "scripts")
+    (tree / "scripts/bench_decode.py").write_text(STAND_IN)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    kernels, triton = tmp_path / "hd-kernels", tmp_path / "triton"
+    (triton / "a1").mkdir(parents=True)
+    (triton / "a1" / "k.cubin").write_bytes(b"\0")
+    env = dict(
+        os.environ, HD_AB_DIR=str(tmp_path), HD_KERNELS_DIR=str(kernels),
+        HD_TRITON_DIR=str(triton), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    )  # fmt: skip
+    env.pop("VLLM_HD_KERNEL_CACHE", None)
+
+    def session(out_name, *args, **extra):
+        out = tmp_path / out_name
+        out.mkdir()
+        done = subprocess.run(
+            ["sh", "ci/gpu/device_session.sh", *args],
+            cwd=tree, env=dict(env, OUT=str(out), **extra), capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout, out
+
+    stdout, _ = session("off", "engine-ab", "HD_SWITCH", "0")
+    assert "specialized decode: kernel cache off" in stdout
+    stdout, _ = session("on", "engine-ab", "HD_SWITCH", "0", HD_KERNEL_CACHE="1")
+    assert f"specialized decode: kernel cache {kernels}" in stdout
+
+    def saved_names(out):
+        parts = sorted(out.glob("caches.tgz.*"))
+        (out / "all.tgz").write_bytes(b"".join(p.read_bytes() for p in parts))
+        with tarfile.open(out / "all.tgz") as saved:
+            return saved.getnames()
+
+    _, out = session("save1", "save-caches")
+    assert not any("hd-kernels" in n for n in saved_names(out))
+    kernels.mkdir()
+    (kernels / "entry.o").write_bytes(b"\0" * 64)
+    _, out = session("save2", "save-caches")
+    names = saved_names(out)
+    assert f"{str(kernels)[1:]}/entry.o" in names and f"{str(triton)[1:]}/a1/k.cubin" in names
