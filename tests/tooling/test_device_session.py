@@ -40,23 +40,29 @@ print("specialized decode: kernel cache %s" % os.environ.get("VLLM_HD_KERNEL_CAC
 """
 
 
-@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
-def test_engine_ab_runs_the_engine_once_per_value_and_returns_its_numbers(tmp_path):
+def _tree_with_stand_in(tmp_path):
+    """A checkout with the session script, trace_seams.py and the stand-in
+    bench_decode.py, and a PATH whose python3 is this interpreter (the script
+    calls python3 by name): (tree, PATH)."""
     tree = tmp_path / "tree"
     (tree / "scripts").mkdir(parents=True)
     (tree / "ci" / "gpu").mkdir(parents=True)
     shutil.copy(ROOT / "ci/gpu/device_session.sh", tree / "ci/gpu")
     shutil.copy(ROOT / "scripts/trace_seams.py", tree / "scripts")
     (tree / "scripts/bench_decode.py").write_text(STAND_IN)
-    out = tmp_path / "out"
-    out.mkdir()
-    # python3 on PATH is this interpreter (the script calls python3 by name).
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").symlink_to(sys.executable)
+    return tree, f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+def test_engine_ab_runs_the_engine_once_per_value_and_returns_its_numbers(tmp_path):
+    tree, path = _tree_with_stand_in(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
     env = dict(
-        os.environ, OUT=str(out), HD_AB_DIR=str(tmp_path),
-        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        os.environ, OUT=str(out), HD_AB_DIR=str(tmp_path), PATH=path,
     )  # fmt: skip
     done = subprocess.run(
         ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH", "0", "1"],
@@ -136,21 +142,13 @@ def test_kernel_cache_reaches_the_engines_and_the_saved_caches(tmp_path):
     exists, and the Triton cache alone otherwise."""
     import tarfile
 
-    tree = tmp_path / "tree"
-    (tree / "scripts").mkdir(parents=True)
-    (tree / "ci" / "gpu").mkdir(parents=True)
-    shutil.copy(ROOT / "ci/gpu/device_session.sh", tree / "ci/gpu")
-    shutil.copy(ROOT / "scripts/trace_seams.py", tree / "scripts")
-    (tree / "scripts/bench_decode.py").write_text(STAND_IN)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
+    tree, path = _tree_with_stand_in(tmp_path)
     kernels, triton = tmp_path / "hd-kernels", tmp_path / "triton"
     (triton / "a1").mkdir(parents=True)
     (triton / "a1" / "k.cubin").write_bytes(b"\0")
     env = dict(
         os.environ, HD_AB_DIR=str(tmp_path), HD_KERNELS_DIR=str(kernels),
-        HD_TRITON_DIR=str(triton), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        HD_TRITON_DIR=str(triton), PATH=path,
     )  # fmt: skip
     env.pop("VLLM_HD_KERNEL_CACHE", None)
 
