@@ -21,9 +21,15 @@ HD := $(PY) scripts/hd.py
 help:
 	@sed -n '2,9p' Makefile
 
+# pip install is tried three times: pip does not retry a download cut off midway.
 $(VENV)/.installed: ci/requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check -r ci/requirements-dev.txt
+	for attempt in 1 2 3; do \
+	    $(VENV)/bin/pip install -q --disable-pip-version-check -r ci/requirements-dev.txt \
+	        && break; \
+	    [ $$attempt = 3 ] && exit 1; \
+	    echo "pip install failed (attempt $$attempt of 3); trying again in 10 s"; sleep 10; \
+	done
 	touch $@
 
 venv-dev: $(VENV)/.installed

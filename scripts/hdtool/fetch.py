@@ -25,6 +25,11 @@ from hdtool.pin import HdError, Pin, sha256_file
 
 Log = Callable[[str], None]
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# A download cut off midway (a reset connection, a stalled read) is tried again from the start;
+# an HTTP answer below 500 (not found, forbidden) is final. pip's own retries cover only
+# opening the connection.
+DOWNLOAD_ATTEMPTS = 3
+RETRY_PAUSE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -89,23 +94,34 @@ class _Index:
 
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(dest.name + ".part")
-        digest = hashlib.sha256()
-        size = 0
         started = time.monotonic()
         log(f"downloading {remote.filename} from {_redact(remote.url)}")
-        try:
-            with self.session.get(remote.url, headers=HEADERS, stream=True) as response:
-                response.raise_for_status()
-                with open(part, "wb") as fh:
-                    for chunk in response_chunks(response, 1 << 20):
-                        fh.write(chunk)
-                        digest.update(chunk)
-                        size += len(chunk)
-        except BaseException as e:
-            part.unlink(missing_ok=True)
-            if isinstance(e, Exception):
-                raise HdError(f"downloading {remote.filename} failed: {e}") from e
-            raise
+        for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+            digest = hashlib.sha256()
+            size = 0
+            try:
+                with self.session.get(remote.url, headers=HEADERS, stream=True) as response:
+                    response.raise_for_status()
+                    with open(part, "wb") as fh:
+                        for chunk in response_chunks(response, 1 << 20):
+                            fh.write(chunk)
+                            digest.update(chunk)
+                            size += len(chunk)
+                break
+            except BaseException as e:
+                part.unlink(missing_ok=True)
+                if not isinstance(e, Exception):
+                    raise
+                status = getattr(getattr(e, "response", None), "status_code", None)
+                final = status is not None and status < 500
+                if final or attempt == DOWNLOAD_ATTEMPTS:
+                    tries = "" if attempt == 1 else f" ({attempt} attempts)"
+                    raise HdError(f"downloading {remote.filename} failed{tries}: {e}") from e
+                log(
+                    f"  downloading {remote.filename} failed ({e}); attempt {attempt + 1} of "
+                    f"{DOWNLOAD_ATTEMPTS} in {RETRY_PAUSE_S:.0f} s"
+                )
+                time.sleep(RETRY_PAUSE_S)
         actual = digest.hexdigest()
         if actual != expected_sha256:
             part.unlink(missing_ok=True)

@@ -200,6 +200,29 @@ def _run(cmd: list[str], what: str, cleanup: str = "the venv was removed") -> No
         raise HdError(f"{what} failed (command above); {cleanup}")
 
 
+# pip retries opening a connection, not a download cut off midway: on 2026-12-04 a CI
+# machine's `make venv` failed after 66 s in the middle of a 95 MB wheel. Another run of the
+# same command continues from the wheels pip has cached (and finds the installed ones).
+PIP_INSTALL_ATTEMPTS = 3
+PIP_RETRY_PAUSE_S = 10.0
+
+
+def _run_pip(cmd: list[str], what: str, cleanup: str = "the venv was removed") -> None:
+    """`_run` for a pip install, tried up to PIP_INSTALL_ATTEMPTS times."""
+    for attempt in range(1, PIP_INSTALL_ATTEMPTS + 1):
+        print("+ " + " ".join(cmd), flush=True)
+        if subprocess.run(cmd, check=False).returncode == 0:
+            return
+        if attempt < PIP_INSTALL_ATTEMPTS:
+            print(
+                f"{what} failed (attempt {attempt} of {PIP_INSTALL_ATTEMPTS}); trying again "
+                f"in {PIP_RETRY_PAUSE_S:.0f} s",
+                flush=True,
+            )
+            time.sleep(PIP_RETRY_PAUSE_S)
+    raise HdError(f"{what} failed {PIP_INSTALL_ATTEMPTS} times (command above); {cleanup}")
+
+
 def create_venv(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
     """Make `venv` from nothing; returns the stamp written last (it marks a complete venv)."""
     stamp = wanted_stamp(pin, wheel, python)
@@ -212,7 +235,7 @@ def create_venv(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
         upstream_reqs = pin.root / UPSTREAM_TEST_REQUIREMENTS
         if upstream_reqs.is_file():
             requirements += ["-r", str(upstream_reqs)]
-        _run(_pip_install(venv, *requirements), "installing the wheel and its dependencies")
+        _run_pip(_pip_install(venv, *requirements), "installing the wheel and its dependencies")
         _check_installed(pin, venv, wheel, stamp)
     except BaseException:
         shutil.rmtree(venv, ignore_errors=True)
@@ -227,7 +250,7 @@ def refresh_wheel(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
     stamp = wanted_stamp(pin, wheel, python)
     (venv / STAMP).unlink()  # until the refresh succeeds the venv is incomplete
     start = time.perf_counter()
-    _run(
+    _run_pip(
         _pip_install(venv, "--no-deps", "--force-reinstall", str(wheel)),
         "reinstalling the wheel",
         cleanup="the venv has no stamp now; the next `venv --if-stale` makes it afresh",

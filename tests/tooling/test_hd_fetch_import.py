@@ -50,6 +50,84 @@ def test_fetch_rehashes_cached_files_instead_of_downloading(
     assert result.out.count("cached, sha256 ok") == 2
 
 
+class _FlakySession:
+    """pip's session whose first `failures` file downloads break off midway (a
+    reset connection) or, with `status`, answer that HTTP status."""
+
+    def __init__(self, session, failures: int, status: int | None = None):
+        self.session, self.failures, self.status, self.calls = session, failures, status, 0
+
+    def __getattr__(self, name):  # the finder's use of the session is left alone
+        return getattr(self.session, name)
+
+    def get(self, url, **kwargs):
+        response = self.session.get(url, **kwargs)
+        if not url.endswith((".whl", ".tar.gz")):  # the index's pages
+            return response
+        self.calls += 1
+        if self.calls > self.failures:
+            return response
+        if self.status is not None:
+            response.status_code = self.status
+            return response
+        response.raw.close()
+        response.raw = _BrokenStream()
+        return response
+
+
+class _BrokenStream:
+    """A response body that breaks off after its first bytes."""
+
+    def stream(self, *args, **kwargs):
+        yield b"partial"
+        raise ConnectionResetError("connection reset by peer")
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def flaky_index(monkeypatch: pytest.MonkeyPatch):
+    """Makes fetch's index client use a _FlakySession (set `flaky_index.failures` and
+    `.status` before fetching); no pause between attempts."""
+    monkeypatch.setattr(fetch, "RETRY_PAUSE_S", 0.0)
+    settings = {"failures": 0, "status": None, "sessions": []}
+    real_init = fetch._Index.__init__
+
+    def init(self):
+        real_init(self)
+        self.session = _FlakySession(self.session, settings["failures"], settings["status"])
+        settings["sessions"].append(self.session)
+
+    monkeypatch.setattr(fetch._Index, "__init__", init)
+    return settings
+
+
+def test_a_download_cut_off_midway_is_tried_again(bare_project: Project, package_index: Index,
+                                                   flaky_index):  # fmt: skip
+    flaky_index["failures"] = 2
+    result = bare_project.hd("fetch")
+    assert result.rc == 0, result.text
+    assert result.out.count("attempt 2 of 3") == 1 and "attempt 3 of 3" in result.out
+    cache = bare_project.pin.cache_dir
+    assert sorted(p.name for p in cache.iterdir()) == sorted([SDIST, WHEEL])
+    for name in (SDIST, WHEEL):
+        assert (cache / name).read_bytes() == package_index.files[name].read_bytes()
+
+
+def test_downloads_give_up_after_three_attempts_or_a_client_error(
+    bare_project: Project, package_index: Index, flaky_index
+):
+    flaky_index["failures"] = 3
+    result = bare_project.hd("fetch")
+    assert result.rc == 2 and "failed (3 attempts)" in result.err
+    assert not list(bare_project.pin.cache_dir.glob("*.part"))
+    flaky_index.update(failures=1, status=404)
+    result = bare_project.hd("fetch")
+    assert result.rc == 2 and "failed: 404" in result.err, result.text
+    assert flaky_index["sessions"][-1].calls == 1
+
+
 def test_sdist_sha256_mismatch_aborts_before_writing(bare_project: Project, package_index: Index):
     wrong = "ab" * 32
     bare_project.write("VERSION", version_toml(package_index, sdist_sha256=wrong))

@@ -286,3 +286,24 @@ def test_local_torch_build_is_not_mixed_with_the_index_torchvision(
         for item in json.loads(report.read_text())["install"]
     }
     assert chosen["torch"] == "2.13.0+cpu"
+
+
+def test_pip_installs_are_tried_again_after_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pip run that fails (a download cut off midway) is run again, up to three times;
+    the third failure is an error naming the step and the count."""
+    codes: list[int] = []
+    ran: list[list[str]] = []
+
+    def run(cmd, check):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, codes.pop(0))
+
+    monkeypatch.setattr(venv_mod.subprocess, "run", run)
+    monkeypatch.setattr(venv_mod, "PIP_RETRY_PAUSE_S", 0.0)
+    codes[:] = [1, 0]
+    venv_mod._run_pip(["pip", "install", "x"], "installing x")
+    assert ran == [["pip", "install", "x"]] * 2
+    codes[:] = [1, 1, 1]
+    with pytest.raises(HdError, match="installing x failed 3 times"):
+        venv_mod._run_pip(["pip", "install", "x"], "installing x")
+    assert len(ran) == 5 and codes == []
