@@ -272,6 +272,10 @@ def _pip_install(venv: Path, *args: str) -> list[str]:
         "--disable-pip-version-check",
         "--progress-bar",
         "off",
+        # A read may stall longer than pip's 15 s on a busy index; a stall is then
+        # waited out instead of ending the run.
+        "--timeout",
+        "60",
         *args,
     ]
 
