@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -201,26 +202,46 @@ def _run(cmd: list[str], what: str, cleanup: str = "the venv was removed") -> No
 
 
 # pip retries opening a connection, not a download cut off midway: on 2026-12-04 a CI
-# machine's `make venv` failed after 66 s in the middle of a 95 MB wheel. Another run of the
-# same command continues from the wheels pip has cached (and finds the installed ones).
+# machine's `make venv` failed after 66 s in the middle of a 95 MB wheel, pip's exception cut
+# from the log (on the development machine the same message was a full disk: urllib3's
+# "Connection broken: OSError(28, 'No space left on device')"). So a failed install is run
+# again, and every failure reports the free disk where pip writes.
 PIP_INSTALL_ATTEMPTS = 3
 PIP_RETRY_PAUSE_S = 10.0
 
 
-def _run_pip(cmd: list[str], what: str, cleanup: str = "the venv was removed") -> None:
-    """`_run` for a pip install, tried up to PIP_INSTALL_ATTEMPTS times."""
+def _free_disk(paths: tuple[Path, ...]) -> str:
+    """'N.N GB free at PATH' for each path (its first existing parent)."""
+    shown = []
+    for path in paths:
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        try:
+            free = shutil.disk_usage(path).free
+        except OSError:
+            continue
+        shown.append(f"{free / 1e9:.1f} GB free at {path}")
+    return "; ".join(shown)
+
+
+def _run_pip(
+    cmd: list[str], what: str, cleanup: str = "the venv was removed", disk: tuple[Path, ...] = ()
+) -> None:
+    """`_run` for a pip install, tried up to PIP_INSTALL_ATTEMPTS times; each failure names
+    the free disk at `disk` and at pip's temporary directory."""
     for attempt in range(1, PIP_INSTALL_ATTEMPTS + 1):
         print("+ " + " ".join(cmd), flush=True)
         if subprocess.run(cmd, check=False).returncode == 0:
             return
-        if attempt < PIP_INSTALL_ATTEMPTS:
-            print(
-                f"{what} failed (attempt {attempt} of {PIP_INSTALL_ATTEMPTS}); trying again "
-                f"in {PIP_RETRY_PAUSE_S:.0f} s",
-                flush=True,
-            )
-            time.sleep(PIP_RETRY_PAUSE_S)
-    raise HdError(f"{what} failed {PIP_INSTALL_ATTEMPTS} times (command above); {cleanup}")
+        space = _free_disk((*disk, Path(tempfile.gettempdir())))
+        if attempt == PIP_INSTALL_ATTEMPTS:
+            raise HdError(f"{what} failed {attempt} times (command above; {space}); {cleanup}")
+        print(
+            f"{what} failed (attempt {attempt} of {PIP_INSTALL_ATTEMPTS}; {space}); trying "
+            f"again in {PIP_RETRY_PAUSE_S:.0f} s",
+            flush=True,
+        )
+        time.sleep(PIP_RETRY_PAUSE_S)
 
 
 def create_venv(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
@@ -235,7 +256,12 @@ def create_venv(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
         upstream_reqs = pin.root / UPSTREAM_TEST_REQUIREMENTS
         if upstream_reqs.is_file():
             requirements += ["-r", str(upstream_reqs)]
-        _run_pip(_pip_install(venv, *requirements), "installing the wheel and its dependencies")
+        # No second copy of the ~6 GB of wheels in pip's cache: the venv alone is ~8 GB.
+        _run_pip(
+            _pip_install(venv, "--no-cache-dir", *requirements),
+            "installing the wheel and its dependencies",
+            disk=(venv,),
+        )
         _check_installed(pin, venv, wheel, stamp)
     except BaseException:
         shutil.rmtree(venv, ignore_errors=True)
@@ -254,6 +280,7 @@ def refresh_wheel(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
         _pip_install(venv, "--no-deps", "--force-reinstall", str(wheel)),
         "reinstalling the wheel",
         cleanup="the venv has no stamp now; the next `venv --if-stale` makes it afresh",
+        disk=(venv,),
     )
     _check_installed(pin, venv, wheel, stamp)
     stamp["install_seconds"] = round(time.perf_counter() - start, 1)
@@ -272,10 +299,6 @@ def _pip_install(venv: Path, *args: str) -> list[str]:
         "--disable-pip-version-check",
         "--progress-bar",
         "off",
-        # A read may stall longer than pip's 15 s on a busy index; a stall is then
-        # waited out instead of ending the run.
-        "--timeout",
-        "60",
         *args,
     ]
 

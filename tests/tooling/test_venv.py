@@ -288,9 +288,11 @@ def test_local_torch_build_is_not_mixed_with_the_index_torchvision(
     assert chosen["torch"] == "2.13.0+cpu"
 
 
-def test_pip_installs_are_tried_again_after_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pip_installs_are_tried_again_after_a_failure(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """A pip run that fails (a download cut off midway) is run again, up to three times;
-    the third failure is an error naming the step and the count."""
+    the third failure is an error naming the step, the count and the free disk."""
     codes: list[int] = []
     ran: list[list[str]] = []
 
@@ -304,6 +306,9 @@ def test_pip_installs_are_tried_again_after_a_failure(monkeypatch: pytest.Monkey
     venv_mod._run_pip(["pip", "install", "x"], "installing x")
     assert ran == [["pip", "install", "x"]] * 2
     codes[:] = [1, 1, 1]
-    with pytest.raises(HdError, match="installing x failed 3 times"):
-        venv_mod._run_pip(["pip", "install", "x"], "installing x")
+    with pytest.raises(HdError, match="installing x failed 3 times") as failed:
+        venv_mod._run_pip(["pip", "install", "x"], "installing x", disk=(tmp_path / "venv",))
     assert len(ran) == 5 and codes == []
+    # Each failure says how much disk is left where pip writes (a full disk reads as a
+    # broken connection in pip's traceback).
+    assert f"GB free at {tmp_path}" in str(failed.value)
