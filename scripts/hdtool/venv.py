@@ -256,7 +256,7 @@ def create_venv(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
         upstream_reqs = pin.root / UPSTREAM_TEST_REQUIREMENTS
         if upstream_reqs.is_file():
             requirements += ["-r", str(upstream_reqs)]
-        # No second copy of the ~6 GB of wheels in pip's cache: the venv alone is ~8 GB.
+        # No second copy of the downloaded wheels in pip's cache: the venv alone is ~8 GB.
         _run_pip(
             _pip_install(venv, "--no-cache-dir", *requirements),
             "installing the wheel and its dependencies",
