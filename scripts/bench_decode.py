@@ -17,7 +17,9 @@ Also measured:
     tokens, one output token each, after PREFILL_WARMUPS untimed batches of the same
     shape): prompt tokens per second, median of max(RUNS, PREFILL_RUNS) batches, ratio
     specialized / stock (also of each engine's best batch, since a busy host only
-    slows a batch), and the GPU time of one more batch under the profiler;
+    slows a batch), the same batches by the engine core's busy time (its steps only,
+    with their host time per step by phase: the frontend and the requests' arrival left
+    out) and the GPU time of one more batch under the profiler;
   * distinct routed experts per decode step at each N, from an eager stock
     engine with forward hooks on every MoE router (same weights and prompts);
   * where the GPU time of a step at N = 1 goes: every kernel's time per step from a
@@ -86,6 +88,21 @@ PROFILE_NS = (1, 2)
 # GPU-bound one (2026-12-04: N = 4 and 8 spread by 10% over three runs, unexplained);
 # one more batch each, ~20 s of device time per pair.
 HOST_PHASE_NS = (1, 2, 4, 8)
+# The engine core's loop iteration: its calls during a batch are the time the engine
+# worked on it (scheduling, the steps' host work and waits for the GPU, outputs).
+ENGINE_BUSY_PHASE = "core._process_engine_step"
+# Phases of a prefill step listed per engine (host time, including what they wait for).
+PREFILL_PHASE_ROWS = (
+    "runner.execute_model",
+    "runner._prepare_inputs",
+    "runner._build_attention_metadata",
+    "GPUModelRunner._model_forward",
+    "GDNAttentionMetadataBuilder.build",
+    "MLACommonMetadataBuilder.build",
+    "runner.sample_tokens",
+    "scheduler.schedule",
+    "scheduler.update_from_output",
+)
 # The phases decode.md shows (all are in decode.json), in the order of a step.
 HOST_PHASE_ROWS = (
     "runner.execute_model",
@@ -343,6 +360,69 @@ def prefill_rates(results: dict) -> dict:
     }
 
 
+def prefill_engine_rates(results: dict) -> dict:
+    """Each engine's prefill batches by the engine core's busy time (tokens/s: median,
+    best, worst), its model-runner steps per batch, the share of each batch's wall clock
+    the engine worked (median), host ms per step by phase (``PREFILL_PHASE_ROWS``, over
+    all batches) and the ratio of the medians; empty unless both engines timed them."""
+    batches = {b: results[b].get("prefill_engine_batches") for b in BACKENDS}
+    if not all(batches.values()):
+        return {}
+    tokens = PREFILL_REQUESTS * PREFILL_TOKENS
+    engines = {}
+    for name, b in (("stock", "auto"), ("specialized", "latency_specialized")):
+        runs = [r for r in batches[b] if r["engine_busy_s"] > 0]
+        if not runs:
+            return {}
+        rates = [tokens / r["engine_busy_s"] for r in runs]
+        steps = sum(r["steps"] for r in runs)
+        engines[name] = {
+            "median": statistics.median(rates),
+            "best": max(rates),
+            "worst": min(rates),
+            "batches": len(runs),
+            "steps_per_batch": statistics.median(r["steps"] for r in runs),
+            "busy_share": statistics.median(r["engine_busy_s"] / r["wall_s"] for r in runs),
+            "phase_ms_per_step": {
+                key: sum(r["phases_s"].get(key, 0.0) for r in runs) * 1e3 / steps
+                for key in PREFILL_PHASE_ROWS
+                if steps and any(key in r["phases_s"] for r in runs)
+            },
+        }
+    return {**engines, "ratio": engines["specialized"]["median"] / engines["stock"]["median"]}
+
+
+def _prefill_engine_lines(rates: dict) -> list[str]:
+    if not rates:
+        return []
+    stock, special = rates["stock"], rates["specialized"]
+
+    def engine(e: dict) -> str:
+        return (
+            f"median {e['median']:.0f} tokens/s ({e['worst']:.0f}-{e['best']:.0f}, "
+            f"{e['batches']} batches of {e['steps_per_batch']:g} steps; busy "
+            f"{e['busy_share']:.0%} of the batch's wall clock)"
+        )
+
+    lines = [
+        "Prefill by the engine core's busy time (the same batches; the engine's steps "
+        "only, without the frontend and the requests' arrival): stock "
+        f"{engine(stock)}, specialized {engine(special)}; specialized / stock "
+        f"{rates['ratio']:.3f}.",
+        "",
+    ]
+    phases = [k for k in PREFILL_PHASE_ROWS if k in stock["phase_ms_per_step"]
+              or k in special["phase_ms_per_step"]]  # fmt: skip
+    if phases:
+        lines += ["| prefill step phase, ms per step | stock | specialized |", "|---|---|---|"]
+        for key in phases:
+            cells = [e["phase_ms_per_step"].get(key) for e in (stock, special)]
+            lines.append(f"| `{key}` | " + " | ".join(
+                "-" if c is None else f"{c:.2f}" for c in cells) + " |")  # fmt: skip
+        lines.append("")
+    return lines
+
+
 def write_markdown(data: dict, path: Path) -> None:
     s = data["summary"]
     lines = [
@@ -381,6 +461,7 @@ def write_markdown(data: dict, path: Path) -> None:
             f"stock: {rates['ratio_best']:.3f}.",
             "",
         ]
+    lines += _prefill_engine_lines(data.get("prefill_engine_rates") or {})
     prefill_busy = data.get("prefill_gpu_busy_ms") or {}
     if prefill_busy:
         lines += [
@@ -620,12 +701,17 @@ def _prompt(i: int, length: int) -> dict:
 
 
 def run_backend(
-    model_dir: Path, backend: str, ns: list[int], runs: int, keep_traces: Path | None = None
+    model_dir: Path,
+    backend: str,
+    ns: list[int],
+    runs: int,
+    keep_traces: Path | None = None,
+    decode_only: bool = False,
 ) -> dict:
     """One engine with ``backend``: step times per N, prefill throughput and the kernel
-    profile of a step at N = 1 (the raw traces kept in ``keep_traces`` when given)."""
+    profile of a step at N = 1 (the raw traces kept in ``keep_traces`` when given).
+    ``decode_only``: step times and kernel profiles only (no prefill, no host phases)."""
     import asyncio
-    import time
 
     # collective_rpc with functions (the host-phase timers) needs vLLM's pickle-based
     # serialization; it changes nothing for the request and output messages.
@@ -656,8 +742,23 @@ def run_backend(
         await engine.stop_profile()
         return wait_for_trace(trace_dir)
 
+    async def profile_decode(result: dict) -> None:
+        # Kept apart from the timed numbers: a failed trace is reported, not fatal.
+        for n in PROFILE_NS:
+            try:
+                trace = await traced_batch(f"profile{n}", n, PROMPT_TOKENS, PROFILE_TOKENS)
+                table = read_trace(trace, PROFILE_TOKENS)
+                # The profiler slows the host, not the GPU: busy time per step against
+                # the unprofiled step time says how long the GPU waits for the host.
+                result.setdefault("gpu_busy_us", {})[str(n)] = table["busy_us_per_step"]
+                result[f"profile_n{n}"] = table
+                keep_trace(trace, keep_traces, f"trace-{backend}-n{n}.json.gz")
+            except Exception as exc:  # noqa: BLE001
+                result[f"profile_n{n}"] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"{backend}: profile at N={n} failed: {exc}", flush=True)
+
     async def main() -> dict:
-        result = {"step_ms": {}, "step_ms_runs": {}, "runs": runs}
+        result = {"step_ms": {}, "step_ms_runs": {}, "runs": runs, "decode_only": decode_only}
         # One untimed request of the timed length first: on 2026-12-01 (hd.2) the first
         # timed point, N = 1, came out at 2.98 ms against 2.67 ms at N = 2, whose GPU
         # work is larger; whatever the engine still does right after start-up must not
@@ -675,6 +776,9 @@ def run_backend(
             result["step_ms"][str(n)] = statistics.median(medians)
             result["step_ms_runs"][str(n)] = medians
             print(f"{backend} N={n}: {medians} ms", flush=True)
+        if decode_only:
+            await profile_decode(result)
+            return result
         # The warm-up batches have the timed batch's shape, so any first-use compile or
         # autotuning of the prefill kernels happens before the clock runs. Two, because
         # on 2026-12-01 the specialized engine alone, with a fresh Triton cache, measured
@@ -682,16 +786,22 @@ def run_backend(
         # engine had filled the same cache first; the cause is not established.
         for w in range(PREFILL_WARMUPS):
             await batch(f"pwarm{w}", PREFILL_REQUESTS, PREFILL_TOKENS, 1)
-        rates = []
+        # The host-phase timers, from here to the end: each prefill batch's engine-side
+        # time (below) and the host phases of decode steps (host_phases).
+        try:
+            timers = await install_host_timers(engine)
+        except Exception as exc:  # noqa: BLE001
+            timers = None
+            result["host_phases"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"{backend}: host timers failed: {exc}", flush=True)
         # Prefill batches are ~1 s: always take several, whatever --runs is. One run
         # per engine gave ratios of 0.82-1.23 between pairs of the same prefill code
         # (decode_notes.md, 2026-12-01).
-        for r in range(max(runs, PREFILL_RUNS)):
-            start = time.perf_counter()
-            await batch(f"prefill{r}", PREFILL_REQUESTS, PREFILL_TOKENS, 1)
-            rates.append(PREFILL_REQUESTS * PREFILL_TOKENS / (time.perf_counter() - start))
+        rates, engine_batches = await time_prefill(engine, batch, timers, max(runs, PREFILL_RUNS))
         result["prefill_tokens_per_s"] = statistics.median(rates)
         result["prefill_tokens_per_s_runs"] = rates
+        if engine_batches:
+            result["prefill_engine_batches"] = engine_batches
         # The same batch once more under the kernel-only profiler: its GPU busy time.
         # Both engines run the same prefill code, so their GPU times say whether the
         # prefill itself differs, where the wall-clock rates above (host, scheduling and
@@ -703,24 +813,13 @@ def run_backend(
             trace.unlink()
         except Exception as exc:  # noqa: BLE001
             print(f"{backend}: prefill profile failed: {exc}", flush=True)
-        # Kept apart from the timed numbers: a failed trace is reported, not fatal.
-        for n in PROFILE_NS:
+        await profile_decode(result)
+        if timers is not None:
             try:
-                trace = await traced_batch(f"profile{n}", n, PROMPT_TOKENS, PROFILE_TOKENS)
-                table = read_trace(trace, PROFILE_TOKENS)
-                # The profiler slows the host, not the GPU: busy time per step against
-                # the unprofiled step time says how long the GPU waits for the host.
-                result.setdefault("gpu_busy_us", {})[str(n)] = table["busy_us_per_step"]
-                result[f"profile_n{n}"] = table
-                keep_trace(trace, keep_traces, f"trace-{backend}-n{n}.json.gz")
+                result["host_phases"] = await host_phases(engine, batch, timers)
             except Exception as exc:  # noqa: BLE001
-                result[f"profile_n{n}"] = {"error": f"{type(exc).__name__}: {exc}"}
-                print(f"{backend}: profile at N={n} failed: {exc}", flush=True)
-        try:
-            result["host_phases"] = await host_phases(engine, batch)
-        except Exception as exc:  # noqa: BLE001
-            result["host_phases"] = {"error": f"{type(exc).__name__}: {exc}"}
-            print(f"{backend}: host phases failed: {exc}", flush=True)
+                result["host_phases"] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"{backend}: host phases failed: {exc}", flush=True)
         return result
 
     try:
@@ -730,26 +829,71 @@ def run_backend(
         shutil.rmtree(trace_dir, ignore_errors=True)
 
 
-async def host_phases(engine, batch) -> dict:
-    """Per N in HOST_PHASE_NS, one batch of the timed shape with perf_counter timers on
-    the engine core's and the model runner's phases (``profile_host_loop.install_timers``):
-    its inter-token latency and microseconds per decode step by phase."""
+class HostTimers:
+    """perf_counter timers installed in the engine-core process on the engine core's,
+    the scheduler's and the model runner's phases (``profile_host_loop.install_timers``);
+    ``missing`` names the phases this vLLM lacks."""
+
+    def __init__(self, loop_module, missing: list[str]):
+        self.take_timers = loop_module.take_timers
+        self.phase_table = loop_module.phase_table
+        self.missing = missing
+
+
+async def install_host_timers(engine) -> HostTimers:
+    """Install the timers once per engine (a second install would time every call twice)."""
     import cloudpickle
 
     import profile_host_loop as loop
 
     # The engine-core process cannot import scripts/: send the functions by value.
     cloudpickle.register_pickle_by_value(loop)
-    out = {"missing": (await engine.collective_rpc(loop.install_timers))[0], "per_n": {}}
+    return HostTimers(loop, (await engine.collective_rpc(loop.install_timers))[0])
+
+
+async def time_prefill(engine, batch, timers: HostTimers | None, count: int):
+    """``count`` prefill batches: each one's prompt tokens per second of wall clock and,
+    with timers, what the engine did in it (``prefill_engine_batch``)."""
+    import time
+
+    rates, engine_batches = [], []
+    for r in range(count):
+        if timers is not None:
+            await engine.collective_rpc(timers.take_timers)  # drop what came before
+        start = time.perf_counter()
+        await batch(f"prefill{r}", PREFILL_REQUESTS, PREFILL_TOKENS, 1)
+        wall = time.perf_counter() - start
+        rates.append(PREFILL_REQUESTS * PREFILL_TOKENS / wall)
+        if timers is not None:
+            samples = (await engine.collective_rpc(timers.take_timers))[0]
+            engine_batches.append(prefill_engine_batch(samples, wall))
+    return rates, engine_batches
+
+
+def prefill_engine_batch(samples: dict[str, list[float]], wall_s: float) -> dict:
+    """One prefill batch as the engine saw it, from the timer samples taken over it: the
+    engine core's busy seconds, its model-runner steps and each phase's seconds."""
+    return {
+        "wall_s": wall_s,
+        "engine_busy_s": sum(samples.get(ENGINE_BUSY_PHASE, [])),
+        "steps": len(samples.get("runner.execute_model", [])),
+        "phases_s": {key: sum(values) for key, values in sorted(samples.items())},
+    }
+
+
+async def host_phases(engine, batch, timers: HostTimers) -> dict:
+    """Per N in HOST_PHASE_NS, one batch of the timed shape with the host timers: its
+    inter-token latency and microseconds per decode step by phase."""
+    out = {"missing": timers.missing, "per_n": {}}
     for n in HOST_PHASE_NS:
         await batch(f"hostwarm{n}", n, PROMPT_TOKENS, 16)
-        await engine.collective_rpc(loop.take_timers)
+        await engine.collective_rpc(timers.take_timers)
         chunks = await batch(f"host{n}", n, PROMPT_TOKENS, OUTPUT_TOKENS)
-        samples = (await engine.collective_rpc(loop.take_timers))[0]
+        samples = (await engine.collective_rpc(timers.take_timers))[0]
         itl = statistics.median(s for ch in chunks for s in itl_samples(ch)) * 1e3
         out["per_n"][str(n)] = {
             "itl_ms": itl,
-            "phases": loop.phase_table(samples, OUTPUT_TOKENS),
+            "phases": timers.phase_table(samples, OUTPUT_TOKENS),
         }
     return out
 
@@ -868,6 +1012,12 @@ def run_roles(
         print(f"{scratch}: no result yet for {missing}; run them with --roles to finish")
         return None
     got = {r: json.loads((scratch / f"{r}.json").read_text()) for r in ROLES}
+    partial = [b for b in BACKENDS if got[b].get("decode_only")]
+    if partial:
+        raise ValueError(
+            f"the {partial} results in {scratch} ran with --decode-only (no prefill "
+            "numbers): a report needs both backends run without it"
+        )
     runs = {got[b].get("runs") for b in BACKENDS}
     if len(runs) != 1:
         raise ValueError(
@@ -928,7 +1078,9 @@ def _worker(args) -> int:
     if args.worker == "experts":
         out = {"distinct": {str(k): v for k, v in count_experts(args.model_dir, ns).items()}}
     else:
-        out = run_backend(args.model_dir, args.worker, ns, args.runs, args.keep_traces)
+        out = run_backend(
+            args.model_dir, args.worker, ns, args.runs, args.keep_traces, args.decode_only
+        )
     out["host"] = host_facts(os.environ.get(COMMAND_ENV, ""))
     Path(args.result).write_text(json.dumps(out))
     return 0
@@ -953,6 +1105,8 @@ def _spawn(args, role: str, result: Path) -> None:
     ]  # fmt: skip
     if args.keep_traces:
         cmd += ["--keep-traces", str(args.keep_traces)]
+    if args.decode_only:
+        cmd.append("--decode-only")
     env = worker_env(os.environ, args.triton_cache)
     env[COMMAND_ENV] = "python3 " + " ".join(sys.argv)
     returncode = run_worker(cmd, env, role)
@@ -1030,6 +1184,12 @@ def main() -> int:
         help="keep the torch-profiler traces (GPU kernels and host activities of "
         f"{PROFILE_TOKENS}-token requests at N = {', '.join(map(str, PROFILE_NS))}) here, "
         "gzipped, one per backend and N",
+    )
+    ap.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="the backends' decode step times and kernel profiles only (no prefill "
+        "batches, no host phases), for A/Bs of the decode; such results make no report",
     )
     ap.add_argument(
         "--assemble",
@@ -1113,6 +1273,7 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         "gpu_busy_ms": gpu_busy_ms(results),
         "prefill_gpu_busy_ms": prefill_gpu_busy_ms(results),
         "prefill_rates": prefill_rates(results),
+        "prefill_engine_rates": prefill_engine_rates(results),
         "runs": results,
         **{
             f"profile_n{n}": {b: results[b].pop(f"profile_n{n}", None) for b in BACKENDS}

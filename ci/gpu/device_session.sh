@@ -25,7 +25,9 @@
 #                                        # value of the experiment switch VAR (--runs 1, N =
 #                                        # HD_AB_N, default 1,2; ~2.5 min per engine with a warm
 #                                        # Triton cache, > 4.5 min with a cold one, limit
-#                                        # HD_AB_ENGINE_S each, default 560): its role result
+#                                        # HD_AB_ENGINE_S each, default 560; decode only, no
+#                                        # prefill batches or host phases unless HD_AB_FULL=1):
+#                                        # its role result
 #                                        # (step time, GPU busy per step, kernel table) and the
 #                                        # KDA step's start / end against in_proj's end in the
 #                                        # N = 1 trace (scripts/trace_seams.py; HD_AB_SEAM holds
@@ -182,16 +184,21 @@ engine-ab)
     [ $# -gt 0 ] || { echo "engine-ab: no value given for $var" >&2; exit 2; }
     ab="${HD_AB_DIR:-/tmp}/hd-ab"
     seam="${HD_AB_SEAM:---after KdaDecode --before SkinnyGemm --before-grid 786,1,1}"
+    # The A/B reads the decode's step time and GPU busy: the prefill batches and host
+    # phases of a full run (~11 prefill batches, 4 more decode batches) are left out.
+    decode_only=--decode-only
+    [ "${HD_AB_FULL:-0}" = 1 ] && decode_only=""
     for value in "$@"; do
         tag=$(echo "$value" | tr -c 'A-Za-z0-9_.\n-' _)  # returned names: no odd characters
         [ -n "$tag" ] || tag=empty
         rm -rf "$ab-$tag"
         # 560 s: the first engine on a fresh host autotunes the KDA prefill kernels; on
         # 2026-12-03 a 290 s limit cut it, and the next engine (cache partly filled) took 279 s.
+        # shellcheck disable=SC2086
         env "$var=$value" timeout "${HD_AB_ENGINE_S:-560}" python3 scripts/bench_decode.py \
             --out-dir "$ab-out-$tag" --scratch "$ab-$tag" --runs 1 \
             --n "${HD_AB_N:-1,2}" --roles latency_specialized --triton-cache "$TRITON" \
-            --keep-traces "$ab-traces-$tag" > "$ab-$tag.log" 2>&1
+            --keep-traces "$ab-traces-$tag" $decode_only > "$ab-$tag.log" 2>&1
         echo "engine $var=$value: exit $?"
         grep -v "Autotuning kernel" "$ab-$tag.log" \
             | grep -E " N=|rror|Traceback|specialized decode:" | tail -8

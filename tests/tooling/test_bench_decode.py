@@ -136,6 +136,104 @@ def test_report_compares_the_prefill_gpu_time_of_both_engines(tmp_path):
     assert "Prefill GPU time" not in _markdown(_report(), tmp_path)
 
 
+def test_a_prefill_batch_counts_the_engines_busy_time_and_steps():
+    samples = {
+        "core._process_engine_step": [0.05, 0.08, 0.07, 0.001],
+        "runner.execute_model": [0.04, 0.06, 0.05],
+        "runner._prepare_inputs": [0.002, 0.003, 0.001],
+    }
+    got = bench.prefill_engine_batch(samples, wall_s=0.5)
+    assert got["wall_s"] == 0.5
+    assert got["engine_busy_s"] == pytest.approx(0.201)
+    assert got["steps"] == 3
+    assert got["phases_s"]["runner._prepare_inputs"] == pytest.approx(0.006)
+    # Timers a vLLM lacks: nothing to sum, no step.
+    assert bench.prefill_engine_batch({}, wall_s=0.4)["steps"] == 0
+
+
+def test_each_prefill_batch_takes_the_timers_the_engine_filled_during_it():
+    import asyncio
+
+    class Engine:
+        """The engine core's timers: each batch adds one step of 0.1 s."""
+
+        def __init__(self):
+            self.samples, self.calls = {}, []
+
+        async def collective_rpc(self, fn):
+            self.calls.append(fn.__name__)
+            taken, self.samples = self.samples, {}
+            return [taken]
+
+    engine = Engine()
+    engine.samples = {"core._process_engine_step": [9.0]}  # before the first batch
+
+    async def batch(tag, n, prompt_len, max_tokens):
+        assert (n, prompt_len, max_tokens) == (bench.PREFILL_REQUESTS, bench.PREFILL_TOKENS, 1)
+        engine.samples = {"core._process_engine_step": [0.1], "runner.execute_model": [0.09]}
+
+    def take_timers(worker):  # stands in for profile_host_loop.take_timers
+        raise AssertionError("runs in the engine core only")
+
+    timers = bench.HostTimers(
+        type("Loop", (), {"take_timers": take_timers, "phase_table": None}), []
+    )
+    rates, batches = asyncio.run(bench.time_prefill(engine, batch, timers, 3))
+    assert len(rates) == 3 and all(r > 0 for r in rates)
+    assert engine.calls == ["take_timers"] * 6
+    assert [b["engine_busy_s"] for b in batches] == [0.1] * 3  # not the 9 s before
+    assert [b["steps"] for b in batches] == [1] * 3
+    # Without timers (their install failed): wall clock only, no engine call.
+    engine.calls.clear()
+    rates, batches = asyncio.run(bench.time_prefill(engine, batch, None, 2))
+    assert (len(rates), batches, engine.calls) == (2, [], [])
+
+
+def _engine_batches(busy: list[float], prepare_s: float) -> list[dict]:
+    return [
+        {
+            "wall_s": 2 * b,
+            "engine_busy_s": b,
+            "steps": 8,
+            "phases_s": {"runner.execute_model": b * 0.9, "runner._prepare_inputs": prepare_s},
+        }
+        for b in busy
+    ]
+
+
+def test_report_gives_the_prefill_by_the_engines_busy_time(tmp_path):
+    tokens = bench.PREFILL_REQUESTS * bench.PREFILL_TOKENS
+    results = _results()
+    results["auto"]["prefill_engine_batches"] = _engine_batches([0.50, 0.40, 0.45], 0.008)
+    special = _engine_batches([0.45, 0.50, 0.55], 0.016)
+    special.append({"wall_s": 1.0, "engine_busy_s": 0.0, "steps": 0, "phases_s": {}})
+    results["latency_specialized"]["prefill_engine_batches"] = special
+    rates = bench.prefill_engine_rates(results)
+    assert rates["stock"]["median"] == pytest.approx(tokens / 0.45)
+    assert rates["stock"]["best"] == pytest.approx(tokens / 0.40)
+    # A batch the timers saw no step of (a failed take) is left out, not counted as 0 s.
+    assert rates["specialized"]["batches"] == 3
+    assert rates["specialized"]["worst"] == pytest.approx(tokens / 0.55)
+    assert rates["ratio"] == pytest.approx(0.45 / 0.50)
+    assert rates["stock"]["busy_share"] == pytest.approx(0.5)
+    assert rates["stock"]["steps_per_batch"] == 8
+    # ms per step over all batches: 3 x 8 ms of _prepare_inputs in 24 steps.
+    assert rates["stock"]["phase_ms_per_step"]["runner._prepare_inputs"] == pytest.approx(1.0)
+    assert rates["specialized"]["phase_ms_per_step"]["runner._prepare_inputs"] == pytest.approx(2.0)
+    assert "runner._model_forward" not in rates["stock"]["phase_ms_per_step"]
+    data = _report()
+    data["prefill_engine_rates"] = rates
+    text = _markdown(data, tmp_path)
+    assert "specialized / stock 0.900." in text
+    assert f"stock median {tokens / 0.45:.0f} tokens/s" in text
+    assert "3 batches of 8 steps; busy 50% of the batch's wall clock" in text
+    assert "| `runner._prepare_inputs` | 1.00 | 2.00 |" in text
+    # Either engine without the timed batches (older results, failed timers): no line.
+    del results["auto"]["prefill_engine_batches"]
+    assert bench.prefill_engine_rates(results) == {}
+    assert "engine core's busy time" not in _markdown(_report(), tmp_path)
+
+
 def test_summary_keeps_the_shape_the_upstream_pr_export_reads():
     """`make upstream-pr` turns every N-keyed object of the summary into a column and
     takes numbers only (nested objects only for step_ms): what the benchmark adds beside
@@ -215,13 +313,13 @@ def test_markdown_has_one_row_per_n(tmp_path):
     assert "| 1 | 3.600 | 1.800 | 2.00x |" in rows[1]
 
 
-def _fake_spawn(calls: list[str], runs: int = 1):
+def _fake_spawn(calls: list[str], runs: int = 1, decode_only: bool = False):
     def spawn(role: str, path: Path) -> None:
         calls.append(role)
         if role == "experts":
             result = {"distinct": {"0": 8.0}}
         else:
-            result = {"step_ms": {"1": 1.0}, "runs": runs}
+            result = {"step_ms": {"1": 1.0}, "runs": runs, "decode_only": decode_only}
         path.write_text(json.dumps(result))
 
     return spawn
@@ -248,6 +346,26 @@ def test_run_roles_refuses_backends_of_different_run_counts(tmp_path):
     bench.run_roles(["auto", "experts"], tmp_path, _fake_spawn(calls, runs=3))
     with pytest.raises(ValueError, match="different --runs"):
         bench.run_roles(["latency_specialized"], tmp_path, _fake_spawn(calls, runs=1))
+
+
+def test_run_roles_refuses_decode_only_results_for_a_report(tmp_path):
+    calls: list[str] = []
+    bench.run_roles(["auto", "experts"], tmp_path, _fake_spawn(calls))
+    with pytest.raises(ValueError, match=r"\['latency_specialized'\] results .* --decode-only"):
+        bench.run_roles(["latency_specialized"], tmp_path, _fake_spawn(calls, decode_only=True))
+
+
+def test_a_decode_only_run_passes_the_flag_to_its_worker(tmp_path, monkeypatch):
+    seen: list[list[str]] = []
+    monkeypatch.setattr(bench, "run_worker", lambda cmd, env, role: seen.append(cmd) or 0)
+    args = bench.argparse.Namespace(
+        model_dir=tmp_path, n="1,2", runs=1, keep_traces=None, triton_cache=None,
+        decode_only=True,
+    )  # fmt: skip
+    bench._spawn(args, "latency_specialized", tmp_path / "r.json")
+    args.decode_only = False
+    bench._spawn(args, "auto", tmp_path / "a.json")
+    assert "--decode-only" in seen[0] and "--decode-only" not in seen[1]
 
 
 def test_kernel_table_sums_gpu_kernels_per_step_and_ranks_them():

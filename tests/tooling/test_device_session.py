@@ -19,8 +19,10 @@ import argparse, gzip, json, os, pathlib
 ap = argparse.ArgumentParser()
 for a in ("--out-dir", "--scratch", "--runs", "--n", "--roles", "--triton-cache", "--keep-traces"):
     ap.add_argument(a)
+ap.add_argument("--decode-only", action="store_true")
 args = ap.parse_args()
 assert args.roles == "latency_specialized" and args.runs == "1" and args.n == "1,2"
+assert args.decode_only == (os.environ.get("HD_AB_FULL") != "1")
 busy = 2000.0 + float(os.environ["HD_SWITCH"])
 scratch = pathlib.Path(args.scratch)
 scratch.mkdir(parents=True)
@@ -86,6 +88,13 @@ def test_engine_ab_runs_the_engine_once_per_value_and_returns_its_numbers(tmp_pa
     )  # fmt: skip
     assert "no 'SkinnyGemm' kernel follows" in done.stderr
     assert (other_out / "ab-2.json").is_file() and not (other_out / "seams-2.json").exists()
+    # HD_AB_FULL=1: the whole role run, prefill and host phases included (the stand-in
+    # asserts which one it was asked for).
+    full = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH", "3"],
+        cwd=tree, env=dict(env, HD_AB_FULL="1"), capture_output=True, text=True,
+    )  # fmt: skip
+    assert "engine HD_SWITCH=3: exit 0" in full.stdout, full.stderr
     missing = subprocess.run(
         ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH"],
         cwd=tree, env=env, capture_output=True, text=True,
