@@ -174,6 +174,22 @@ ONE_REASON = [
         {},
         "no prepared batch size",
     ),
+    # 32 and 64 are prepared sizes the kernels do not take (they run stock): alone
+    # they would leave the executor nothing to run, found only after the weights load.
+    (
+        "only-stock-sizes",
+        dict(compilation_config={"cudagraph_capture_sizes": [32, 64]}),
+        {},
+        "no prepared batch size the kernels take (1, 2, 3, 4, 5, 6, 7, 8, 16)",
+    ),
+    (
+        "routed-experts",
+        dict(enable_return_routed_experts=True),
+        {},
+        "returning the routed experts",
+    ),
+    ("prompt-embeds", dict(enable_prompt_embeds=True), {}, "prompt embeddings"),
+    ("batch-invariant", {}, {"VLLM_BATCH_INVARIANT": "1"}, "VLLM_BATCH_INVARIANT=1"),
 ]
 
 
@@ -195,6 +211,28 @@ def test_each_reason_alone(
     with pytest.raises(ValueError, match="does not support this deployment") as raised:
         runtime.specialized_decode_config(vllm_config)
     assert reasons[0] in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("VLLM_HD_EXPERT_L2_POLICY", "evict"),
+        ("VLLM_HD_MOE_EXPERT_WARPS", "3"),
+        ("VLLM_HD_GEMM_PREWAIT", "12576x2304"),
+        ("VLLM_HD_MOE_PREWAIT", "x"),
+        ("VLLM_HD_KERNEL_CACHE", "relative/dir"),
+    ],
+)
+def test_a_bad_switch_fails_before_the_weights_load(
+    engine_config: Any, monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """The executor's switches are parsed with the config, while the model is built."""
+    vllm_config = engine_config()
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        runtime.specialized_decode_config(vllm_config)
+    monkeypatch.delenv(name)
+    assert runtime.specialized_decode_config(vllm_config) is not None
 
 
 def test_v2_model_runner(engine_config: Any, monkeypatch: pytest.MonkeyPatch) -> None:

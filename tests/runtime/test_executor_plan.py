@@ -939,17 +939,25 @@ def test_a_captured_step_leaves_its_logits_for_the_runner(monkeypatch):
         assert executor.logits_computed_in_graph(mode, descriptor, rows) is None
 
 
-def test_a_stock_capture_of_a_served_size_drops_its_logits(monkeypatch):
+def test_a_served_graph_captured_for_a_forward_it_cannot_run_fails_naming_why(monkeypatch):
+    """The runner left out the KDA metadata of a served graph size, so the stock forward
+    cannot be captured there instead: the capture fails, saying why, rather than in the
+    stock layer's assertion."""
     model, executor, _ = build()
     allocate_caches(model)
     executor.bind_kv_caches()
-    served = BatchDescriptor(num_tokens=4, num_reqs=4, uniform=True)
     fc = forward_context(model, 4)
     capture(monkeypatch, fc)
-    executor.maybe_run(torch.arange(4), torch.arange(4))
+    with pytest.raises(RuntimeError, match=r"graph of 4 tokens .* \(no input_ids"):
+        executor.maybe_run(None, torch.arange(4), inputs_embeds=torch.zeros(4, HIDDEN))
+    with pytest.raises(RuntimeError, match=r"\(inputs_embeds given\)"):
+        executor.maybe_run(torch.arange(4), torch.arange(4), inputs_embeds=torch.zeros(4, HIDDEN))
     fc.attn_metadata["model.layers.1.self_attn"].max_query_len = 2  # not a decode step
-    assert executor.maybe_run(torch.arange(4), torch.arange(4)) is None
-    assert executor.logits_computed_in_graph(CUDAGraphMode.FULL, served, 4) is None
+    with pytest.raises(RuntimeError, match="not a one-token decode step"):
+        executor.maybe_run(torch.arange(4), torch.arange(4))
+    # A graph the executor does not serve captures the stock forward, as before.
+    capture(monkeypatch, forward_context(model, 4, cudagraph_runtime_mode=CUDAGraphMode.PIECEWISE))
+    assert executor.maybe_run(None, torch.arange(4), inputs_embeds=torch.zeros(4, HIDDEN)) is None
 
 
 def test_new_kv_caches_drop_the_logits_of_earlier_captures(monkeypatch):

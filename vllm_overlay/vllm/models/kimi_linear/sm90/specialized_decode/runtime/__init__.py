@@ -35,6 +35,9 @@ DECODE_BACKENDS = (STOCK_DECODE, LATENCY_SPECIALIZED_DECODE)
 # for. It runs only where such a size is also a FULL decode CUDA graph size: vLLM
 # pads every other batch to the next captured size.
 PREPARED_BATCH_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
+# The kernels take at most this many rows: larger prepared sizes (32, 64) run the
+# stock decode until they have an M <= 64 variant.
+MAX_PREPARED_TOKENS = 16
 
 MODEL_NAME = "Kimi-Linear-48B-A3B"
 
@@ -136,6 +139,11 @@ def specialized_decode_config(
             f"this deployment:{listed}\nChange the deployment, or run the stock "
             f"decode ({DECODE_BACKEND_KEY}={STOCK_DECODE}, the default)."
         )
+    # The executor's VLLM_HD_* switches, parsed now (each raises naming its
+    # variable) rather than once the weights are loaded.
+    from .decode import check_environment
+
+    check_environment()
     return SpecializedDecodeConfig(
         batch_sizes=prepared_batch_sizes(vllm_config),
         max_model_len=vllm_config.model_config.max_model_len,
@@ -151,6 +159,13 @@ def prepared_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
     captured = vllm_config.compilation_config.cudagraph_capture_sizes or ()
     max_num_seqs = vllm_config.scheduler_config.max_num_seqs
     return tuple(s for s in PREPARED_BATCH_SIZES if s in captured and s <= max_num_seqs)
+
+
+def served_batch_sizes(vllm_config: VllmConfig) -> tuple[int, ...]:
+    """The prepared sizes the kernels take (``MAX_PREPARED_TOKENS``): the decode
+    graphs the executor runs."""
+    prepared = prepared_batch_sizes(vllm_config)
+    return tuple(s for s in prepared if s <= MAX_PREPARED_TOKENS)
 
 
 def kda_state_dtypes(vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
@@ -200,6 +215,17 @@ def unsupported(vllm_config: VllmConfig, platform: Platform | None = None) -> li
         (vllm_config.lora_config is not None, "LoRA"),
         (vllm_config.speculative_config is not None, "speculative decoding"),
         (model.enable_sleep_mode, "sleep mode"),
+        # The runner records each step's routed experts from vLLM's router; the
+        # executor routes with its own kernels, so they would read as zeros.
+        (
+            model.enable_return_routed_experts,
+            "returning the routed experts (enable_return_routed_experts)",
+        ),
+        # The runner then calls the forward without input_ids, so the decode graphs
+        # would capture the stock forward without the attention metadata it needs.
+        (model.enable_prompt_embeds, "prompt embeddings (enable_prompt_embeds)"),
+        # The executor's kernels and split-K reductions differ by batch size.
+        (envs.VLLM_BATCH_INVARIANT, "VLLM_BATCH_INVARIANT=1"),
         # It runs only inside FULL decode graphs; eager and PIECEWISE steps run
         # stock, so without FULL decode graphs it would never run.
         (
@@ -244,9 +270,11 @@ def unsupported(vllm_config: VllmConfig, platform: Platform | None = None) -> li
             "weights are read in vLLM's Triton layout)",
         ),
         (
-            full_decode_graphs and not prepared_batch_sizes(vllm_config),
-            "no prepared batch size ("
-            + ", ".join(map(str, PREPARED_BATCH_SIZES))
+            full_decode_graphs and not served_batch_sizes(vllm_config),
+            "no prepared batch size the kernels take ("
+            + ", ".join(
+                str(s) for s in PREPARED_BATCH_SIZES if s <= MAX_PREPARED_TOKENS
+            )
             + ") is a FULL decode CUDA graph size (capture sizes "
             f"{compilation.cudagraph_capture_sizes}, max_num_seqs "
             f"{vllm_config.scheduler_config.max_num_seqs})",

@@ -52,13 +52,10 @@ from torch import nn
 from vllm.logger import init_logger
 from vllm.model_executor.layers.hpc.hpc_module import HpcModule
 
-from . import SpecializedDecodeConfig
+from . import MAX_PREPARED_TOKENS, SpecializedDecodeConfig
 
 logger = init_logger(__name__)
 
-# PreparedGemm and PreparedMoe serve M <= 16 rows. Larger prepared sizes (32, 64)
-# run the stock decode until the kernels have an M <= 64 variant.
-MAX_PREPARED_TOKENS = 16
 # Extra GPU memory the executor may hold beyond the model's weights (issue 6).
 MAX_EXTRA_BYTES = 2 << 30
 # Graphs of at most this many rows run the MLA decode attention of kernels/mla;
@@ -287,6 +284,17 @@ def kernel_cache_dir_from_env(
         )
         return None
     return path
+
+
+def check_environment() -> None:
+    """Parse every switch of the executor's environment (each parser raises
+    ValueError naming its variable), so that a bad value fails while the model is
+    built, before its weights load; the executor parses them again when built."""
+    expert_l2_policy_from_env()
+    moe_expert_warps_from_env()
+    gemm_prewait_from_env()
+    moe_prewait_from_env()
+    kernel_cache_dir_from_env()
 
 
 # --------------------------------------------------------------------- kernels
@@ -1678,21 +1686,28 @@ class KimiLinearDecodeExecutor:
             is_forward_context_available,
         )
 
-        if input_ids is None or not is_forward_context_available():
+        if not is_forward_context_available():
             return None
         forward_context = get_forward_context()
-        if not self.step_applies(forward_context, intermediate_tensors, inputs_embeds):
+        if input_ids is None or not self.step_applies(
+            forward_context, intermediate_tensors, inputs_embeds
+        ):
+            descriptor = forward_context.batch_descriptor
             if (
-                self.serves(
-                    forward_context.cudagraph_runtime_mode,
-                    forward_context.batch_descriptor,
-                )
+                self.serves(forward_context.cudagraph_runtime_mode, descriptor)
                 and torch.cuda.is_current_stream_capturing()
             ):
-                # This size's decode graph is the stock forward: so are its
-                # logits, which compute_logits then makes.
-                self._graph_logits.pop(
-                    forward_context.batch_descriptor.num_tokens, None
+                # The runner skipped the metadata builds of this graph's KDA (and
+                # own-attention MLA) layers (attention_layers_built_by_model), so
+                # the stock forward cannot be captured in their place either.
+                why = _why_stock(input_ids, intermediate_tensors, inputs_embeds)
+                raise RuntimeError(
+                    "Kimi-Linear specialized decode: the FULL decode CUDA graph of "
+                    f"{descriptor.num_tokens} tokens is being captured for a forward "
+                    f"it cannot run ({why}), "
+                    "and the runner already left out the attention metadata the "
+                    "stock forward would need; run this deployment with "
+                    "decode_backend=auto"
                 )
             return None
         hidden_states = self.run(input_ids, positions, forward_context)
@@ -1743,6 +1758,21 @@ def _kda_block_table(forward_context: Any, name: str, batch: int) -> torch.Tenso
             f"with >= {batch} rows"
         )
     return table
+
+
+def _why_stock(
+    input_ids: torch.Tensor | None,
+    intermediate_tensors: Any,
+    inputs_embeds: torch.Tensor | None,
+) -> str:
+    """Why a forward of a served graph size is not the executor's step."""
+    if input_ids is None:
+        return "no input_ids: prompt embeddings?"
+    if inputs_embeds is not None:
+        return "inputs_embeds given"
+    if intermediate_tensors is not None:
+        return "pipeline-parallel intermediate tensors"
+    return "its attention metadata is not a one-token decode step"
 
 
 def _mla_decode_tables(
