@@ -234,7 +234,10 @@ def unquote_c_path(text: str) -> str:
             out.append(int(body[i + 1 : i + 4], 8))
             i += 4
         else:
-            raise ValueError(f"bad escape in quoted path {text!r}")
+            raise HdError(
+                f"bad escape in the quoted path {text!r} of a patch's diff header; "
+                "regenerate the patch with git format-patch"
+            )
     return out.decode("utf-8", errors="surrogateescape")
 
 

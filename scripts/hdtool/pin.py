@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import tomllib
 from dataclasses import dataclass
@@ -102,17 +103,31 @@ def tracked_files(root: Path, sub: str) -> list[Path]:
     base = root / sub
     if not base.exists():
         return []
+    # The checkout's own git: a GIT_DIR or GIT_WORK_TREE of the caller's would list
+    # another repository's files.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     try:
-        out = subprocess.run(
+        proc = subprocess.run(
             ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", sub],
             cwd=root,
-            check=True,
             capture_output=True,
-        ).stdout.decode()
-        rels = [p for p in out.split("\0") if p]
+            env=env,
+        )
+    except FileNotFoundError:
+        proc = None  # no git at all: every file counts
+    if proc is not None and proc.returncode == 0:
+        rels = [p for p in proc.stdout.decode().split("\0") if p]
         files = [root / p for p in rels if (root / p).is_file()]
-    except (subprocess.CalledProcessError, FileNotFoundError):
+    elif proc is None or b"not a git repository" in proc.stderr:
         files = [p for p in base.rglob("*") if p.is_file()]
+    else:
+        # A checkout git cannot read (e.g. "dubious ownership"): listing every file would
+        # put ignored ones into the wheel and the fingerprint.
+        raise HdError(
+            f"git cannot list the files of {root} ({proc.stderr.decode(errors='replace').strip()});"
+            " fix that (e.g. `git config --global --add safe.directory "
+            f"{root}`) and run again"
+        )
     files = [p for p in files if "__pycache__" not in p.parts and p.suffix != ".pyc"]
     return sorted(set(files))
 

@@ -1483,7 +1483,9 @@ def run_tests(pin: Pin, state: State, python: str) -> None:
 # --- bump-pin --------------------------------------------------------------------------------
 
 
-def bump_pin(pin: Pin, version: str, *, allow_import_errors: bool) -> int:
+def bump_pin(
+    pin: Pin, version: str, *, allow_import_errors: bool, drop: tuple[str, ...] = ()
+) -> int:
     _check_version(pin, version)
     repo = pin.upstream_repo
     state = State.load(_state_file(pin, version))
@@ -1505,6 +1507,25 @@ def bump_pin(pin: Pin, version: str, *, allow_import_errors: bool) -> int:
     bad = [p.name for p in state.patches if p.status in (CONFLICT, NOT_TRIED)]
     if bad:
         raise HdError(f"patches not carried over: {', '.join(bad)}; nothing was changed")
+    # A patch missing from the branch after a hand-resolved stop was skipped, or the
+    # whole `git am` was aborted: dropping it must be asked for by name.
+    absent = [p.name for p in state.patches if p.status == ABSENT]
+    unknown = sorted(set(drop) - {p.name for p in state.patches})
+    if unknown:
+        raise HdError(f"--drop names patches not in the series: {', '.join(unknown)}")
+    unconfirmed = [name for name in absent if name not in drop]
+    if unconfirmed:
+        raise HdError(
+            f"{branch} lacks {len(unconfirmed)} patches of the series: "
+            f"{', '.join(unconfirmed)} (skipped with `git am --skip`, or the `git am` was "
+            "aborted before --continue). Nothing was changed.\n"
+            f"If upstream absorbed them, drop them by name: "
+            + hd_command(
+                pin, f"bump-pin --to {version} " + " ".join(f"--drop {n}" for n in unconfirmed)
+            )
+            + "\nElse start over and resolve them: "
+            + hd_command(pin, f"rebase --to {version} --restart")
+        )
     _require_clean_repo(pin, "bump-pin")
     if not rev_exists(repo, branch) or git_out("rev-parse", branch, cwd=repo) != state.head:
         raise HdError(
@@ -1579,22 +1600,26 @@ def bump_pin(pin: Pin, version: str, *, allow_import_errors: bool) -> int:
 
 def _refuse_dirty_project(pin: Pin) -> None:
     """VERSION and patches/ must have no uncommitted changes (when the project is in git)."""
-    proc = subprocess.run(
-        ["git", "status", "--porcelain", "--", "VERSION", "patches"],
-        cwd=pin.root,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    inside = subprocess.run(
-        ["git", "rev-parse", "--show-toplevel"],
-        cwd=pin.root,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if proc.returncode != 0 or Path(inside.stdout.strip()).resolve() != pin.root.resolve():
-        return  # not a git checkout of its own (e.g. a test project): nothing to protect
+    # The project's own git, not a GIT_DIR / GIT_WORK_TREE the caller has set.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["git", *args], cwd=pin.root, capture_output=True, text=True, check=False, env=env
+        )
+
+    inside = run("rev-parse", "--show-toplevel")
+    if inside.returncode != 0 and "not a git repository" in inside.stderr:
+        return  # not in git at all (e.g. a test project): nothing to protect
+    if inside.returncode == 0 and Path(inside.stdout.strip()).resolve() != pin.root.resolve():
+        return  # inside another repository, not a checkout of its own
+    proc = run("status", "--porcelain", "--", "VERSION", "patches")
+    if inside.returncode != 0 or proc.returncode != 0:
+        raise HdError(
+            f"git cannot read the project checkout {pin.root} "
+            f"({(inside.stderr or proc.stderr).strip()}), so it cannot tell whether VERSION "
+            "and patches/ are committed; fix that and run again. Nothing was changed."
+        )
     if proc.stdout.strip():
         raise HdError(
             "VERSION or patches/ have uncommitted changes; commit or stash them first:\n"
@@ -1659,6 +1684,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="move the pin even though overlay imports are missing in X (a port in progress)",
     )
+    p.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        metavar="PATCH",
+        help="drop this patch of the series, missing from rebase/X after a hand-resolved "
+        "stop (skipped as absorbed upstream); repeat per patch",
+    )
     p.set_defaults(
-        func=lambda args, pin: bump_pin(pin, args.to, allow_import_errors=args.allow_import_errors)
+        func=lambda args, pin: bump_pin(
+            pin, args.to, allow_import_errors=args.allow_import_errors, drop=tuple(args.drop)
+        )
     )

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -31,6 +33,7 @@ from hdtool.gitutil import (
     current_branch,
     dirty_paths,
     git,
+    git_dir,
     git_out,
     other_operation_in_progress,
     rev_exists,
@@ -54,6 +57,11 @@ from hdtool.pin import HdError, Pin
 from hdtool.upstream import ensure_imported
 
 OVERLAY_SUBJECT = "hd-overlay: vllm_overlay + kernels + build info"
+# What the last apply or export left, per applied branch (in the upstream repo's git dir):
+# the branch's tip and a digest of the series it matched. apply refuses to rebuild a
+# branch that moved since (commits not exported yet), export to overwrite a series that
+# changed since (edits not applied yet).
+SYNC_RECORD = "hd-synced.json"
 
 # `git am` exactly as the series is meant to apply: every context line must match (git's
 # default; no -C), no 3-way fallback, no whitespace leniency and new whitespace errors fail.
@@ -294,6 +302,65 @@ def _commit_overlay(pin: Pin, repo: Path, plan: dict[str, Path]) -> str:
     return git_out("rev-parse", "HEAD", cwd=repo)
 
 
+def series_digest(pin: Pin) -> str:
+    """sha256 over patches/series and the patch files it lists (unlisted files are not
+    part of the series: export removes them)."""
+    digest = hashlib.sha256()
+    series = pin.patches_dir / SERIES_FILE
+    text = series.read_bytes() if series.is_file() else b""
+    names, _ = parse_series_text(text.decode("utf-8", errors="replace"))
+    for name, data in [(SERIES_FILE, text)] + [
+        (n, (pin.patches_dir / n).read_bytes() if (pin.patches_dir / n).is_file() else b"")
+        for n in names
+    ]:
+        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return digest.hexdigest()
+
+
+def _sync_records(repo: Path) -> dict[str, dict[str, str]]:
+    try:
+        records = json.loads((git_dir(repo) / SYNC_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return records if isinstance(records, dict) else {}
+
+
+def _record_sync(pin: Pin, repo: Path, tip: str | None) -> None:
+    """Remember the applied branch's tip (None: keep the recorded one) and the series."""
+    records = _sync_records(repo)
+    entry = records.get(pin.applied_branch, {})
+    if tip is not None:
+        entry["tip"] = tip
+    entry["series_sha256"] = series_digest(pin)
+    records[pin.applied_branch] = entry
+    path = git_dir(repo) / SYNC_RECORD
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _refuse_unexported_commits(pin: Pin, repo: Path) -> None:
+    """apply rebuilds the applied branch from patches/: refuse while it holds commits the
+    last apply or export did not leave there (they would only survive in the reflog)."""
+    branch = pin.applied_branch
+    recorded = _sync_records(repo).get(branch, {}).get("tip")
+    if not recorded or not rev_exists(repo, branch):
+        return
+    tip = git_out("rev-parse", branch, cwd=repo)
+    if tip == recorded:
+        return
+    r = _rel(repo)
+    raise HdError(
+        f"{branch} in {r} has moved since the last apply or export (now {tip[:12]}, "
+        f"then {recorded[:12]}): its commits are not in patches/, and apply would replace "
+        f"the branch. Nothing was changed.\n"
+        f"Keep them: {hd_command(pin, 'export')} (writes them to patches/), then apply.\n"
+        f"Drop them: git -C {r} branch rescue {tip[:12]} (to keep a copy), then "
+        f"git -C {r} checkout -q {branch} && git -C {r} reset -q --hard {recorded[:12]}, "
+        "then apply."
+    )
+
+
 def apply_series(pin: Pin) -> int:
     started = time.monotonic()
     names = read_series(pin)
@@ -308,6 +375,7 @@ def apply_series(pin: Pin) -> int:
     tag = pin.upstream_tag
     ensure_imported(pin)
     repo = _require_clean_repo(pin, "apply")
+    _refuse_unexported_commits(pin, repo)
 
     plan = overlay_plan(pin)
     touched = {p for patch in patches for p in patch.paths}
@@ -353,6 +421,7 @@ def apply_series(pin: Pin) -> int:
     overlay_commit = _commit_overlay(pin, repo, plan)
     git("checkout", "-q", "-B", pin.applied_branch, cwd=repo)
     git("branch", "-q", "-D", wip, cwd=repo)
+    _record_sync(pin, repo, overlay_commit)
 
     n_kernels = sum(1 for t in plan if t.startswith(pin.kernels_dest.strip("/") + "/"))
     print(f"apply: {tag} + {len(names)} patches -> {pin.applied_branch} in {_rel(repo)}")
@@ -531,6 +600,17 @@ def export_series(pin: Pin, check: bool) -> int:
         )
         return 0
 
+    recorded = _sync_records(repo).get(pin.applied_branch, {}).get("series_sha256")
+    if recorded and recorded != series_digest(pin):
+        raise HdError(
+            "patches/ changed since the last apply or export (series or listed patch files "
+            f"edited, added or removed), and export would overwrite it from {branch}. "
+            "Nothing was written.\n"
+            f"Take the edits in: {hd_command(pin, 'apply')} (rebuilds {pin.applied_branch} "
+            "from patches/), then export.\n"
+            "Or undo them in patches/ (e.g. `git checkout -- patches/` in this project) and "
+            "export again."
+        )
     pin.patches_dir.mkdir(exist_ok=True)
     written, unchanged = [], []
     for name, data in exported.items():
@@ -542,6 +622,8 @@ def export_series(pin: Pin, check: bool) -> int:
     removed = [name for name in current if name != SERIES_FILE and name not in exported]
     for name in removed:
         (pin.patches_dir / name).unlink()
+    tip = git_out("rev-parse", branch, cwd=repo) if branch == pin.applied_branch else None
+    _record_sync(pin, repo, tip)
     print(f"export: {len(names)} patches from {branch} in {_rel(repo)}")
     for name in written:
         print(f"  wrote   patches/{name}")

@@ -209,12 +209,31 @@ def import_sdist(pin: Pin, version: str, sdist: Path, sha256: str) -> tuple[str,
     return commit, True
 
 
+def imported_commit(pin: Pin, version: str) -> str:
+    """The commit of v<version> in build/upstream. For the pinned version, checked to be
+    the import of the pinned sdist (its message names the sha256): a tag moved by hand,
+    or a build/upstream copied from elsewhere, must not stand in for the pin."""
+    repo = pin.upstream_repo
+    tag = f"v{version}"
+    commit = git_out("rev-parse", f"{tag}^{{commit}}", cwd=repo)
+    if version == pin.upstream_version:
+        message = git_out("log", "-1", "--format=%B", commit, cwd=repo)
+        if f"sha256 {pin.sdist_sha256}" not in message:
+            raise HdError(
+                f"{tag} in {repo} is not the import of the pinned {pin.sdist} (sha256 "
+                f"{pin.sdist_sha256}); its commit says:\n{message}\nNothing was changed. "
+                f"Remove the tag (git -C {repo} tag -d {tag}) and run again: the verified "
+                "sdist is imported anew."
+            )
+    return commit
+
+
 def ensure_imported(pin: Pin, version: str | None = None) -> str:
     """Make sure v<version> (default: the pin) is in build/upstream; returns its commit."""
     version = version or pin.upstream_version
     repo = pin.upstream_repo
     if (repo / ".git").is_dir() and rev_exists(repo, f"v{version}"):
-        return git_out("rev-parse", f"v{version}^{{commit}}", cwd=repo)
+        return imported_commit(pin, version)
     commit, _ = import_sdist(pin, version, *_verified_sdist(pin, version))
     return commit
 
@@ -232,7 +251,7 @@ def _cmd_import(args: argparse.Namespace, pin: Pin) -> int:
     version = args.version or pin.upstream_version
     repo = pin.upstream_repo
     if (repo / ".git").is_dir() and rev_exists(repo, f"v{version}"):
-        commit, imported = git_out("rev-parse", f"v{version}^{{commit}}", cwd=repo), False
+        commit, imported = imported_commit(pin, version), False
     else:
         commit, imported = import_sdist(pin, version, *_verified_sdist(pin, version))
     if imported:

@@ -518,7 +518,8 @@ def run(args: argparse.Namespace, pin: Pin) -> int:
     junit = reports / f"{stem}.junit.xml"
     summary = reports / f"{stem}.json"
     raw_report = run_dir / "report.json"
-    for stale in (junit, summary):
+    # An earlier run's counts must not stand in for a run that ends before writing its own.
+    for stale in (junit, summary, raw_report):
         stale.unlink(missing_ok=True)
     selection = run_dir / "selection.json"
     selection.write_text(

@@ -151,12 +151,15 @@ def wanted_stamp(pin: Pin, wheel: Path, python: str) -> dict:
         path = pin.root / rel
         if path.is_file():
             requirements[rel] = sha256_file(path)
-    version = subprocess.run(
-        [python, "-c", "import sys; print(sys.version.split()[0])"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
+    try:
+        version = subprocess.run(
+            [python, "-c", "import sys; print(sys.version.split()[0])"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout.strip()
+    except OSError as err:
+        raise HdError(f"cannot run the interpreter {python!r} ({err}); check --python") from err
     return {
         "wheel": wheel.name,
         "wheel_sha256": sha256_file(wheel),
@@ -174,13 +177,24 @@ def read_stamp(venv: Path) -> dict | None:
 
 
 def _remove_venv(pin: Pin, venv: Path) -> None:
+    """Remove an earlier venv at ``venv``: only a directory that is one (``pyvenv.cfg``
+    or this tool's stamp; or empty) and holds none of the project, its build/ or
+    build/upstream."""
     if not venv.exists():
         return
-    inside_build = venv.resolve().is_relative_to((pin.root / "build").resolve())
-    if not (inside_build or (venv / "pyvenv.cfg").is_file()):
+    resolved = venv.resolve()
+    kept = (pin.root, pin.root / "build", pin.upstream_repo)
+    holds = [k for k in kept if k.resolve().is_relative_to(resolved)]
+    is_venv = (
+        (venv / "pyvenv.cfg").is_file()
+        or (venv / STAMP).is_file()
+        or (venv.is_dir() and not any(venv.iterdir()))
+    )
+    if holds or not is_venv:
+        what = f"holds {holds[0]}" if holds else "is not a virtual environment"
         raise HdError(
-            f"{venv} exists and is not a virtual environment; remove it yourself or "
-            "choose another --path"
+            f"{venv} exists and {what}; nothing was removed. Choose another --path, or "
+            "remove it yourself"
         )
     shutil.rmtree(venv)
 

@@ -360,3 +360,51 @@ def test_export_refuses_to_empty_the_series_after_an_aborted_am(project: Project
     result = project.hd("export")
     assert result.rc == 2 and "would empty patches/" in result.err
     assert project.snapshot_patches() == before
+
+
+def test_apply_refuses_to_replace_commits_not_yet_exported(project: Project):
+    """A developer commits a fix on hd/0.1.0 and runs `make check` (lint, apply, drift)
+    before exporting: apply must not rebuild the branch from patches/ over it."""
+    project.add_patch("First change", {"vllm/model.py": model_with(LINE_05=50)})
+    assert project.hd("apply").rc == 0
+    _commit_below_overlay(project, {"vllm/__init__.py": '__version__ = "x"\n'}, "Unexported fix")
+    tip = project.rev("hd/0.1.0")
+    result = project.hd("apply")
+    assert result.rc == 2
+    assert "has moved since the last apply or export" in result.err
+    assert "export" in result.err and "reset -q --hard" in result.err
+    assert project.rev("hd/0.1.0") == tip
+    # Exported, the commits are in patches/: apply goes ahead and keeps them.
+    assert project.hd("export").rc == 0
+    assert project.hd("apply").rc == 0
+    assert "Unexported fix" in subjects(project, "hd/0.1.0")
+    assert project.hd("export", "--check").rc == 0
+
+
+def test_apply_goes_ahead_after_the_commits_were_dropped_as_told(project: Project):
+    project.add_patch("First change", {"vllm/model.py": model_with(LINE_05=50)})
+    assert project.hd("apply").rc == 0
+    recorded = project.rev("hd/0.1.0")
+    _commit_below_overlay(project, {"vllm/__init__.py": '__version__ = "x"\n'}, "Throwaway")
+    assert project.hd("apply").rc == 2
+    git("reset", "-q", "--hard", recorded, cwd=project.repo)
+    assert project.hd("apply").rc == 0
+    assert "Throwaway" not in subjects(project, "hd/0.1.0")
+
+
+def test_export_refuses_to_overwrite_series_edits_not_yet_applied(project: Project):
+    project.add_patch("First change", {"vllm/model.py": model_with(LINE_05=50)})
+    assert project.hd("apply").rc == 0
+    # A new patch listed in the series, not applied yet.
+    project.add_patch("Second change", {"vllm/model.py": model_with(LINE_05=50, LINE_06=60)})
+    before = project.snapshot_patches()
+    result = project.hd("export")
+    assert result.rc == 2 and "patches/ changed since the last apply or export" in result.err
+    assert project.snapshot_patches() == before
+    # --check only reads: it still reports the difference.
+    assert project.hd("export", "--check").rc == 1
+    # Applied, the edit is in the branch, and export writes the same files back.
+    assert project.hd("apply").rc == 0
+    result = project.hd("export")
+    assert result.rc == 0, result.text
+    assert project.snapshot_patches() == before

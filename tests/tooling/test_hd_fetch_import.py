@@ -227,6 +227,22 @@ def test_import_twice_is_a_noop_and_newer_release_stacks(project: Project):
     assert project.rev("upstream") == second
 
 
+def test_a_tag_not_imported_from_the_pinned_sdist_is_refused(project: Project):
+    """The pinned tag's commit names the sdist's sha256: a tag moved by hand (or a
+    build/upstream from elsewhere) must not stand in for the pin on import or apply."""
+    git("tag", "-f", "v0.1.0", project.git("commit-tree", "-m", "not an import",
+                                          "v0.1.0^{tree}"), cwd=project.repo)  # fmt: skip
+    for command in ("import", "apply"):
+        result = project.hd(command)
+        assert result.rc == 2, (command, result.text)
+        assert "is not the import of the pinned" in result.err
+        assert "tag -d v0.1.0" in result.err
+    git("tag", "-d", "v0.1.0", cwd=project.repo)
+    result = project.hd("import")
+    assert result.rc == 0, result.text
+    assert project.hd("apply").rc == 0
+
+
 def test_import_is_deterministic(bare_project: Project, project: Project):
     result = bare_project.hd("import")
     assert result.rc == 0, result.text

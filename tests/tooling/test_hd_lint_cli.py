@@ -12,6 +12,7 @@ from hdtest import KERNELS_DEST, MODEL_PY, SCRIPTS, Project
 
 from hdtool.gitutil import git
 from hdtool.patchfile import parse_diff_paths, patch_filename, subject_slug
+from hdtool.pin import HdError
 from hdtool.series import FORMAT_PATCH_OPTIONS
 
 
@@ -140,6 +141,16 @@ def test_diff_path_parsing_handles_quoting_and_renames():
         ("gone.py", None),
         (None, "same name.bin"),
     ]
+
+
+def test_a_bad_escape_in_a_quoted_diff_path_is_an_error_not_a_traceback(project: Project):
+    with pytest.raises(HdError, match="bad escape in the quoted path"):
+        parse_diff_paths('diff --git "a/x\\q.py" "b/x\\q.py"\n')
+    patch = project.add_patch("Change LINE_30", {"vllm/model.py": "X = 1\n"})
+    patch.write_text(patch.read_text().replace(" a/vllm/model.py", ' "a/vllm/m\\qodel.py"', 1))
+    result = project.hd("lint")
+    assert result.rc == 2 and "bad escape in the quoted path" in result.err
+    assert "Traceback" not in result.err
 
 
 def test_hd_py_entry_point(project: Project):

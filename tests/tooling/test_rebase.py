@@ -267,6 +267,30 @@ def test_conflict_stops_with_am_in_progress_and_writes_nothing(project: Project)
     assert project.hd("export", "--check").rc == 0
 
 
+def test_an_aborted_am_does_not_let_bump_pin_drop_the_series(project: Project):
+    """`git am --abort` (printed as the way to give up) then --continue leaves every patch
+    off rebase/X: bump-pin must not empty the series unless the patches are named."""
+    before = state_of_pin(project)
+    assert project.hd("rebase", "--to", "0.4.0").rc == 2
+    git("am", "--abort", cwd=project.repo)
+    result = project.hd("rebase", "--to", "0.4.0", "--continue")
+    assert result.rc == 0, result.text
+    refused = project.hd("bump-pin", "--to", "0.4.0")
+    assert refused.rc == 2
+    assert f"lacks 2 patches of the series: {PATCH_1}, {PATCH_2}" in refused.err
+    assert f"--drop {PATCH_1} --drop {PATCH_2}" in refused.err
+    assert "--restart" in refused.err
+    assert_pin_untouched(project, before)
+    unknown = project.hd("bump-pin", "--to", "0.4.0", "--drop", "nope.patch")
+    assert unknown.rc == 2 and "--drop names patches not in the series: nope.patch" in unknown.err
+    assert_pin_untouched(project, before)
+    # Named, they go (the way to drop patches upstream absorbed and `git am --skip` left out).
+    dropped = project.hd("bump-pin", "--to", "0.4.0", "--drop", PATCH_1, "--drop", PATCH_2)
+    assert dropped.rc == 0, dropped.text
+    assert project.series() == []
+    assert f"dropped {PATCH_1}" in dropped.out
+
+
 def test_absorbed_patch_is_now_empty_and_dropped_by_bump_pin(project: Project):
     result = project.hd("rebase", "--to", "0.5.0")
     assert result.rc == 0, result.text

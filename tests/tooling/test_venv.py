@@ -137,6 +137,30 @@ def test_refuses_to_delete_a_directory_that_is_not_a_venv(tmp_path: Path, projec
     assert (precious / "data.txt").exists()
 
 
+def test_an_interpreter_that_does_not_run_is_an_error(project: Project) -> None:
+    wheel = project.pin.dist_dir / OUT_NAME
+    with pytest.raises(HdError, match="cannot run the interpreter '/nonexistent/python3'"):
+        venv_mod.wanted_stamp(project.pin, wheel, "/nonexistent/python3")
+
+
+def test_refuses_to_delete_build_or_the_upstream_repo(project: Project) -> None:
+    """`venv --path build/upstream` (or `build`) must not remove the upstream repository
+    with its unexported commits, even with a pyvenv.cfg planted there."""
+    upstream = project.pin.upstream_repo
+    upstream.mkdir(parents=True, exist_ok=True)
+    (upstream / "pyvenv.cfg").write_text("home = /usr\n")
+    for path in (upstream, project.pin.root / "build", project.pin.root):
+        with pytest.raises(HdError, match="holds"):
+            venv_mod._remove_venv(project.pin, path)
+    assert upstream.is_dir()
+    # A venv inside build/ goes, as before.
+    old = project.pin.root / "build" / "venv-old"
+    old.mkdir()
+    (old / "pyvenv.cfg").write_text("home = /usr\n")
+    venv_mod._remove_venv(project.pin, old)
+    assert not old.exists()
+
+
 # --- the torch family comes as one set, at the wheel's pins --------------------------------
 
 TORCH_PINS = (
