@@ -166,7 +166,8 @@ def kernel_table(events: list[dict], steps: int, top: int) -> dict:
     ``busy_us_median_step`` is the median of the busy time of single engine steps, each
     ending with a kernel named like ``STEP_END_KERNEL`` (None below 3 steps): the
     profiled batch's prefill steps, one or several as the scheduler took the requests
-    in, count in ``busy_us_per_step`` but not in this median."""
+    in, weigh in ``busy_us_per_step`` in full, in this median only as a few samples of
+    ``steps`` (at most a rank or two)."""
     kernels = sorted(
         (e for e in events if e.get("cat") == "kernel"), key=lambda e: (e["ts"], e["dur"])
     )
@@ -365,6 +366,10 @@ def prefill_engine_rates(results: dict) -> dict:
     best, worst), its model-runner steps per batch, the share of each batch's wall clock
     the engine worked (median), host ms per step by phase (``PREFILL_PHASE_ROWS``, over
     all batches) and the ratio of the medians; empty unless both engines timed them."""
+    errors = [f"{b}: {results[b]['prefill_engine_error']}" for b in BACKENDS
+              if results[b].get("prefill_engine_error")]  # fmt: skip
+    if errors:
+        return {"error": "; ".join(errors)}
     batches = {b: results[b].get("prefill_engine_batches") for b in BACKENDS}
     if not all(batches.values()):
         return {}
@@ -395,6 +400,8 @@ def prefill_engine_rates(results: dict) -> dict:
 def _prefill_engine_lines(rates: dict) -> list[str]:
     if not rates:
         return []
+    if "error" in rates:
+        return [f"Prefill by the engine core's busy time: not measured ({rates['error']}).", ""]
     stock, special = rates["stock"], rates["specialized"]
 
     def engine(e: dict) -> str:
@@ -797,6 +804,9 @@ def run_backend(
         # Prefill batches are ~1 s: always take several, whatever --runs is. One run
         # per engine gave ratios of 0.82-1.23 between pairs of the same prefill code
         # (decode_notes.md, 2026-12-01).
+        if timers is not None and ENGINE_BUSY_PHASE in timers.missing:
+            result["prefill_engine_error"] = f"the host timers found no {ENGINE_BUSY_PHASE}"
+            print(f"{backend}: {result['prefill_engine_error']}", flush=True)
         rates, engine_batches = await time_prefill(engine, batch, timers, max(runs, PREFILL_RUNS))
         result["prefill_tokens_per_s"] = statistics.median(rates)
         result["prefill_tokens_per_s_runs"] = rates
@@ -1286,7 +1296,11 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
             f"greedy, median of {runs} runs; AsyncLLM streaming, one engine per "
             "process, dummy weights, seed 0; floor = weights a step reads (distinct "
             "experts measured on an eager stock engine) + per-request KDA/conv state "
-            "read+write + MLA latent cache read, / 4.25 TB/s"
+            "read+write + MLA latent cache read, / 4.25 TB/s. With dummy weights (every "
+            "parameter, the norms' included, uniform in +-1e-3) the router's logits vary "
+            "by ~1e-5 and its correction bias (+-1e-3) picks the experts: every token "
+            "routes to the same top-k, so the distinct experts stay at top-k for every N "
+            "and the N > 1 steps read far fewer expert weights than real routing would"
         ),
         "model_dir": model_dir,
         "fingerprint": first["fingerprint"],

@@ -151,9 +151,17 @@ def install_timers(worker) -> list[str]:
             setattr(scheduler_cls, name, wrapped)
         else:
             missing.append(f"scheduler.{name}")
+    # EngineCore freezes the GC heap once built (gc.freeze), and gc.get_objects() leaves
+    # frozen objects out: without the instance, wrap the method where the engine-core
+    # process's class defines it (the busy loop looks it up on every iteration).
+    from vllm.v1.engine.core import EngineCoreProc
+
     for name in CORE_PHASES:
+        owner = next((c for c in (EngineCoreProc, EngineCore) if name in vars(c)), None)
         if cores and hasattr(cores[0], name):
             setattr(cores[0], name, timed(f"core.{name}", getattr(cores[0], name)))
+        elif owner is not None:
+            setattr(owner, name, timed(f"core.{name}", vars(owner)[name]))
         else:
             missing.append(f"core.{name}")
     import importlib

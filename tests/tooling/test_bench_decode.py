@@ -232,6 +232,12 @@ def test_report_gives_the_prefill_by_the_engines_busy_time(tmp_path):
     del results["auto"]["prefill_engine_batches"]
     assert bench.prefill_engine_rates(results) == {}
     assert "engine core's busy time" not in _markdown(_report(), tmp_path)
+    # Timers that could not wrap the engine core's loop say so in the report.
+    results["auto"]["prefill_engine_error"] = "the host timers found no core._process_engine_step"
+    rates = bench.prefill_engine_rates(results)
+    assert rates == {"error": "auto: the host timers found no core._process_engine_step"}
+    data["prefill_engine_rates"] = rates
+    assert "busy time: not measured (auto: the host timers found no" in _markdown(data, tmp_path)
 
 
 def test_summary_keeps_the_shape_the_upstream_pr_export_reads():
