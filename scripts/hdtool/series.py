@@ -600,8 +600,10 @@ def export_series(pin: Pin, check: bool) -> int:
         )
         return 0
 
+    # The branch of an interrupted apply was built from patches/ as they are: only the
+    # applied branch can be older than an edit of them.
     recorded = _sync_records(repo).get(pin.applied_branch, {}).get("series_sha256")
-    if recorded and recorded != series_digest(pin):
+    if branch == pin.applied_branch and recorded and recorded != series_digest(pin):
         raise HdError(
             "patches/ changed since the last apply or export (series or listed patch files "
             f"edited, added or removed), and export would overwrite it from {branch}. "

@@ -408,3 +408,20 @@ def test_export_refuses_to_overwrite_series_edits_not_yet_applied(project: Proje
     result = project.hd("export")
     assert result.rc == 0, result.text
     assert project.snapshot_patches() == before
+
+
+def test_a_failed_apply_of_edited_patches_still_exports_from_its_branch(project: Project):
+    """After a good apply, an edited patch fails to apply; resolved on the wip branch as the
+    report says, export takes the resolution (the edit is in that branch already)."""
+    project.add_patch("First change", {"vllm/model.py": model_with(LINE_05=50)})
+    assert project.hd("apply").rc == 0
+    break_patch_line(project, "First-change.patch", "-LINE_05 = 5\n", "-LINE_05 = 6\n")
+    assert project.hd("apply").rc == 2
+    git("am", "--abort", cwd=project.repo)
+    git("checkout", "-q", "-B", "hd/0.1.0-wip", "v0.1.0", cwd=project.repo)
+    (project.repo / "vllm/model.py").write_text(model_with(LINE_05=50))
+    git("commit", "-q", "-am", "First change", "-m", "Why: x.\nUpstream-Status: pending\n"
+        "Removal-Plan: y.", cwd=project.repo)  # fmt: skip
+    result = project.hd("export")
+    assert result.rc == 0, result.text
+    assert "-LINE_05 = 5" in (project.patches / "First-change.patch").read_text()
