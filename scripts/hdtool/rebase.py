@@ -59,7 +59,7 @@ from hdtool.series import (
     hd_command,
 )
 from hdtool.series import _rel as rel
-from hdtool.upstream import ensure_imported, import_sdist
+from hdtool.upstream import ensure_imported, import_sdist, tag_import_commit
 
 # Patch outcomes, as the report names them.
 CLEAN = "clean"
@@ -208,14 +208,7 @@ def _verified_import(pin: Pin, release: Release) -> str:
     repo = pin.upstream_repo
     tag = f"v{release.version}"
     if rev_exists(repo, tag):
-        message = git_out("log", "-1", "--format=%B", tag, cwd=repo)
-        if f"sha256 {release.sdist_sha256}" not in message:
-            raise HdError(
-                f"{tag} in {rel(repo)} was imported from another file than the index's "
-                f"{release.sdist.name} (sha256 {release.sdist_sha256}); its commit says:\n"
-                f"{message}\nRemove the tag (git -C {rel(repo)} tag -d {tag}) and run again."
-            )
-        return git_out("rev-parse", f"{tag}^{{commit}}", cwd=repo)
+        return tag_import_commit(repo, tag, release.sdist.name, release.sdist_sha256)
     commit, _ = import_sdist(pin, release.version, release.sdist, release.sdist_sha256)
     return commit
 

@@ -209,23 +209,27 @@ def import_sdist(pin: Pin, version: str, sdist: Path, sha256: str) -> tuple[str,
     return commit, True
 
 
-def imported_commit(pin: Pin, version: str) -> str:
-    """The commit of v<version> in build/upstream. For the pinned version, checked to be
-    the import of the pinned sdist (its message names the sha256): a tag moved by hand,
-    or a build/upstream copied from elsewhere, must not stand in for the pin."""
-    repo = pin.upstream_repo
-    tag = f"v{version}"
+def tag_import_commit(repo: Path, tag: str, sdist_name: str, sha256: str) -> str:
+    """The commit of ``tag``, checked to be the import of the sdist of this sha256 (its
+    message names it): a tag moved by hand, or a build/upstream copied from elsewhere,
+    must not stand in for a verified release."""
     commit = git_out("rev-parse", f"{tag}^{{commit}}", cwd=repo)
-    if version == pin.upstream_version:
-        message = git_out("log", "-1", "--format=%B", commit, cwd=repo)
-        if f"sha256 {pin.sdist_sha256}" not in message:
-            raise HdError(
-                f"{tag} in {repo} is not the import of the pinned {pin.sdist} (sha256 "
-                f"{pin.sdist_sha256}); its commit says:\n{message}\nNothing was changed. "
-                f"Remove the tag (git -C {repo} tag -d {tag}) and run again: the verified "
-                "sdist is imported anew."
-            )
+    message = git_out("log", "-1", "--format=%B", commit, cwd=repo)
+    if f"sha256 {sha256}" not in message:
+        raise HdError(
+            f"{tag} in {repo} is not the import of {sdist_name} (sha256 {sha256}); its "
+            f"commit says:\n{message}\nNothing was changed. Remove the tag "
+            f"(git -C {repo} tag -d {tag}) and run again: the verified sdist is imported anew."
+        )
     return commit
+
+
+def imported_commit(pin: Pin, version: str) -> str:
+    """The commit of v<version> in build/upstream; for the pinned version, checked to be
+    the import of the pinned sdist."""
+    if version == pin.upstream_version:
+        return tag_import_commit(pin.upstream_repo, f"v{version}", pin.sdist, pin.sdist_sha256)
+    return git_out("rev-parse", f"v{version}^{{commit}}", cwd=pin.upstream_repo)
 
 
 def ensure_imported(pin: Pin, version: str | None = None) -> str:
