@@ -305,14 +305,16 @@ def _commit_overlay(pin: Pin, repo: Path, plan: dict[str, Path]) -> str:
 def series_digest(pin: Pin) -> str:
     """sha256 over patches/series and the patch files it lists (unlisted files are not
     part of the series: export removes them)."""
+
+    def read(name: str) -> bytes:
+        path = pin.patches_dir / name
+        return path.read_bytes() if path.is_file() else b""
+
+    series = read(SERIES_FILE)
+    names, _ = parse_series_text(series.decode("utf-8", errors="replace"))
     digest = hashlib.sha256()
-    series = pin.patches_dir / SERIES_FILE
-    text = series.read_bytes() if series.is_file() else b""
-    names, _ = parse_series_text(text.decode("utf-8", errors="replace"))
-    for name, data in [(SERIES_FILE, text)] + [
-        (n, (pin.patches_dir / n).read_bytes() if (pin.patches_dir / n).is_file() else b"")
-        for n in names
-    ]:
+    for name in (SERIES_FILE, *names):
+        data = series if name == SERIES_FILE else read(name)
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     return digest.hexdigest()
 
