@@ -1039,6 +1039,10 @@ def run_roles(
 
 # Environment variables of the patch set's experiment switches.
 SWITCH_PREFIX = "VLLM_HD_"
+# Switches that choose no kernel (where compiled kernels are kept on disk; a loaded kernel
+# gives the compiled one's results bit for bit, tests/kernels/test_compile_cache.py): roles
+# may differ in them, and the record keeps each role's.
+NON_KERNEL_SWITCHES = ("VLLM_HD_KERNEL_CACHE",)
 
 
 def host_cpu(cpuinfo: str | None = None) -> dict[str, object]:
@@ -1258,6 +1262,11 @@ def main() -> int:
     return _write_report(args, config, got, scratch)
 
 
+def kernel_switches(switches: dict[str, str]) -> dict[str, str]:
+    """The switches that choose the kernels (the roles must agree on these)."""
+    return {k: v for k, v in switches.items() if k not in NON_KERNEL_SWITCHES}
+
+
 def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
     """decode.json from every role's result. The roles may have run in separate calls, even
     on separate hosts of the same kind: refuses results of different GPUs or builds."""
@@ -1269,11 +1278,19 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         values = {host[key] for host in hosts.values()}
         if len(values) != 1:
             raise ValueError(f"the roles ran with different {key}: {sorted(values)}")
-    switches = {json.dumps(host.get("switches", {}), sort_keys=True) for host in hosts.values()}
+    switches = {
+        json.dumps(kernel_switches(host.get("switches", {})), sort_keys=True)
+        for host in hosts.values()
+    }
     if len(switches) != 1:
         raise ValueError(
             f"the roles ran with different {SWITCH_PREFIX}* switches: {sorted(switches)}"
         )
+    non_kernel = {}
+    for role, host in hosts.items():
+        kept = {k: v for k, v in host.get("switches", {}).items() if k in NON_KERNEL_SWITCHES}
+        if kept:
+            non_kernel[role] = kept
     results = {b: {k: v for k, v in got[b].items() if k != "host"} for b in BACKENDS}
     experts = {int(k): v for k, v in got["experts"]["distinct"].items()}
     runs = results[BACKENDS[0]]["runs"]
@@ -1304,7 +1321,8 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         ),
         "model_dir": model_dir,
         "fingerprint": first["fingerprint"],
-        "switches": first.get("switches", {}),
+        "switches": kernel_switches(first.get("switches", {})),
+        **({"non_kernel_switches": non_kernel} if non_kernel else {}),
         "vllm": first["vllm"],
         "gpu": first["gpu"],
         # Per role: the roles may run on different hosts (separate device calls).

@@ -16,6 +16,10 @@
 #                                        # step by phase (scripts/profile_host_loop.py,
 #                                        # ~2.5 min per engine), e.g. auto:v2;
 #                                        # HD_HOST_LOOP_TOKENS=1024 as make bench
+#   sh ci/gpu/device_session.sh prefill-profile     # make bench's prefill batches in the stock
+#                                        # and the specialized engine: host ms per step by
+#                                        # phase and cProfile, side by side (~6 min;
+#                                        # scripts/profile_prefill.py)
 #   sh ci/gpu/device_session.sh kernel-round [TEST...]  # GPU kernel tests (default
 #                                        # tests/kernels/test_moe.py) then the MoE router's
 #                                        # cluster-vs-ticket A/B at HD_AB_M (default every M),
@@ -51,7 +55,9 @@
 # HD_KERNEL_CACHE=1 in front of any of these: the engines keep their compiled CuTe DSL kernels
 # in HD_KERNELS_DIR (default /tmp/hd-kernels; VLLM_HD_KERNEL_CACHE), so only the first engine
 # on a host compiles them (each engine log's "warm-up launches ... took" line says what it
-# loaded and compiled).
+# loaded and compiled). Up to hd.24 the runtime turns the cache off under
+# VLLM_DISABLE_COMPILE_CACHE=1, which bench_decode.py's engines set: there it takes a wheel
+# with docs/perf/experiments/2026-12-05-kernel-cache-explicit-dir.patch.
 #
 # The bench roles keep their results in /tmp/hd-bench (same host, back-to-back calls); the
 # second one writes decode.{json,md} (with the e2e correctness record when `e2e` ran on this
@@ -165,6 +171,21 @@ host-loop)
         echo "host loop $engine: exit $?"
         grep -v "Autotuning kernel" "/tmp/hd-host-$engine.log" | tail -40
     done
+    ;;
+prefill-profile)
+    # Host time of make bench's prefill batches by phase, then cProfile of three more, for
+    # the stock and the specialized engine, and the two side by side (~3 min per engine;
+    # scripts/profile_prefill.py). Outputs in $OUT; the comparison on stdout too.
+    for backend in auto latency_specialized; do
+        timeout "${HD_PREFILL_PROFILE_S:-400}" python3 scripts/profile_prefill.py \
+            --out-dir "$OUT" --backend "$backend" --triton-cache "$TRITON" \
+            > "/tmp/hd-prefill-$backend.log" 2>&1
+        echo "prefill profile $backend: exit $?"
+        grep -v "Autotuning kernel" "/tmp/hd-prefill-$backend.log" | tail -20
+    done
+    python3 scripts/profile_prefill.py --compare "$OUT/prefill-auto.json" \
+        "$OUT/prefill-latency_specialized.json" > "$OUT/prefill-compare.md" 2>&1
+    head -c 6000 "$OUT/prefill-compare.md"
     ;;
 kernel-round)
     shift

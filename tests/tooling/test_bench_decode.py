@@ -633,6 +633,17 @@ def test_assemble_records_the_experiment_switches_and_refuses_mixed_ones():
     assert bench.assemble(CONFIG, _role_results(), "m")["switches"] == {}  # none recorded
 
 
+def test_assemble_lets_the_roles_differ_in_the_kernel_cache_and_records_it():
+    got = _role_results()
+    got["latency_specialized"]["host"]["switches"] = {"VLLM_HD_KERNEL_CACHE": "/tmp/k"}
+    data = bench.assemble(CONFIG, got, "m")
+    assert data["switches"] == {}
+    assert data["non_kernel_switches"] == {
+        "latency_specialized": {"VLLM_HD_KERNEL_CACHE": "/tmp/k"}
+    }
+    assert "non_kernel_switches" not in bench.assemble(CONFIG, _role_results(), "m")
+
+
 PARENT = """
 import sys
 sys.path.insert(0, {scripts!r})
