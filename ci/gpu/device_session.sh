@@ -6,8 +6,8 @@
 #   sh ci/gpu/device_session.sh e2e      # serve check beside the end-to-end engines, then the
 #                                        # judging (~9 min); needs .gpu-bundle/serve carried
 #                                        # (HD_E2E_SERVE=0: engines and judging only)
-#   sh ci/gpu/device_session.sh bench-stock        # make bench, roles auto + experts (~7 min)
-#   sh ci/gpu/device_session.sh bench-specialized  # make bench, role latency_specialized (~7 min)
+#   sh ci/gpu/device_session.sh bench-stock        # make bench, roles auto + experts (~5 min)
+#   sh ci/gpu/device_session.sh bench-specialized  # make bench, role latency_specialized (~5 min)
 #   sh ci/gpu/device_session.sh bench-context ROLE  # decode step at 8K / 32K-token contexts
 #                                        # (scripts/bench_decode_context.py), ROLE auto or
 #                                        # latency_specialized, one per call (~5-6 min each;
@@ -65,7 +65,9 @@
 # and 2. Render the plot here: bench_decode.py --render-only --out-dir docs/perf.
 set -u
 : "${OUT:?run on the device host, where OUT is set}"
-RUNS="${HD_BENCH_RUNS:-1}"
+# Issue 6's method (and make bench's default): the median of 3 runs per N. HD_BENCH_RUNS=1
+# for a quick look (2026-12-05's pair of record ran with the old default of 1).
+RUNS="${HD_BENCH_RUNS:-3}"
 E2E=/tmp/hd-integ
 SCRATCH=/tmp/hd-bench
 TRITON="${HD_TRITON_DIR:-/tmp/hd-triton}"

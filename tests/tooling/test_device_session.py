@@ -189,3 +189,38 @@ def test_kernel_cache_reaches_the_engines_and_the_saved_caches(tmp_path):
     _, out = session("save2", "save-caches")
     names = saved_names(out)
     assert f"{str(kernels)[1:]}/entry.o" in names and f"{str(triton)[1:]}/a1/k.cubin" in names
+
+
+# Stands in for profile_prefill.py: one result per engine, and the comparison of two.
+PREFILL_STAND_IN = r"""
+import argparse, json, pathlib
+ap = argparse.ArgumentParser()
+ap.add_argument("--compare", nargs=2)
+for a in ("--out-dir", "--backend", "--triton-cache"):
+    ap.add_argument(a)
+args = ap.parse_args()
+if args.compare:
+    names = [json.loads(pathlib.Path(p).read_text())["backend"] for p in args.compare]
+    print("compared " + " -> ".join(names))
+else:
+    out = pathlib.Path(args.out_dir)
+    (out / f"prefill-{args.backend}.json").write_text(json.dumps({"backend": args.backend}))
+    print(f"{args.backend}: profiled")
+"""
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+def test_prefill_profile_runs_both_engines_then_compares_them(tmp_path):
+    tree, path = _tree_with_stand_in(tmp_path)
+    (tree / "scripts/profile_prefill.py").write_text(PREFILL_STAND_IN)
+    out = tmp_path / "out"
+    out.mkdir()
+    done = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "prefill-profile"],
+        cwd=tree, env=dict(os.environ, OUT=str(out), PATH=path), capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "prefill profile auto: exit 0" in done.stdout
+    assert "prefill profile latency_specialized: exit 0" in done.stdout
+    assert (out / "prefill-compare.md").read_text() == "compared auto -> latency_specialized\n"
+    assert "compared auto -> latency_specialized" in done.stdout
