@@ -23,13 +23,16 @@ given beside them.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 import statistics
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from trace_seams import read_events  # noqa: E402
 
 DEFAULT_STEP_END = "nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT"
 # CuTe DSL kernels as the profiler names them: kernel_cutlass_kernel_<module path>
@@ -93,12 +96,6 @@ def budget(steps: list[list[dict]]) -> dict:
         "idle_us_per_step": idle / count,
         "seams": seams,
     }
-
-
-def read_events(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return json.load(f)["traceEvents"]
 
 
 def main() -> int:
