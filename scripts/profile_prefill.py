@@ -21,8 +21,9 @@ in milliseconds per prefill step.
     sh ci/gpu/device_session.sh prefill-profile      # both engines and the comparison
 
 Writes <out-dir>/prefill-<backend>.json (wall-clock tokens/s per batch, each batch's engine
-busy time and phases, the profiled batches' steps), prefill-<backend>-cprofile.txt and
-prefill-<backend>-cprofile.prof (pstats' format: `python3 -m pstats FILE`).
+busy time and phases, torch's allocator counters over them, the profiled batches' steps),
+prefill-<backend>-cprofile.txt and prefill-<backend>-cprofile.prof (pstats' format:
+`python3 -m pstats FILE`).
 """
 
 from __future__ import annotations
@@ -57,8 +58,35 @@ from bench_decode import (  # noqa: E402
 # make bench's engines: max_num_seqs is its largest N, which sets the captured graphs.
 MAX_NUM_SEQS = max(N_VALUES)
 PROFILE_BATCHES = 3
+# torch's caching allocator counters over the timed batches: a device malloc or free, or a
+# retry (free every cached block, then malloc again) inside a forward is host time that
+# synchronises, and the engines differ in memory (the executor's ~170 MiB, a smaller KV
+# cache) though not in prefill code.
+ALLOCATOR_COUNTERS = (
+    "num_alloc_retries",
+    "num_ooms",
+    "num_device_alloc",
+    "num_device_free",
+    "num_sync_all_streams",
+)
+ALLOCATOR_GAUGES = ("reserved_bytes.all.current", "allocated_bytes.all.peak")
 # Rows of the comparison: the functions whose own (or cumulative) time differs most.
 COMPARE_ROWS = 40
+
+
+def allocator_stats(worker) -> dict[str, int]:
+    """In the engine-core process: the caching allocator's counters and gauges."""
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {key: int(stats.get(key, 0)) for key in (*ALLOCATOR_COUNTERS, *ALLOCATOR_GAUGES)}
+
+
+def allocator_change(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters' increase over the timed batches and the gauges after them."""
+    change = {key: after[key] - before[key] for key in ALLOCATOR_COUNTERS}
+    change.update({key: after[key] for key in ALLOCATOR_GAUGES})
+    return change
 
 
 def run(model_dir: Path, backend: str, batches: int) -> tuple[dict, str, bytes]:
@@ -77,7 +105,9 @@ def run(model_dir: Path, backend: str, batches: int) -> tuple[dict, str, bytes]:
         for w in range(PREFILL_WARMUPS):
             await batch(f"pwarm{w}", PREFILL_REQUESTS, PREFILL_TOKENS, 1)
         timers = await install_host_timers(engine)
+        before = (await engine.collective_rpc(allocator_stats))[0]
         rates, engine_batches = await time_prefill(engine, batch, timers, batches)
+        after = (await engine.collective_rpc(allocator_stats))[0]
         await engine.collective_rpc(timers.take_timers)
         await engine.collective_rpc(loop.start_cprofile)
         for b in range(PROFILE_BATCHES):
@@ -90,6 +120,7 @@ def run(model_dir: Path, backend: str, batches: int) -> tuple[dict, str, bytes]:
             "missing_phases": timers.missing,
             "tokens_per_s": rates,
             "engine_batches": engine_batches,
+            "allocator": allocator_change(before, after),
             "profile": {
                 "batches": PROFILE_BATCHES,
                 "steps": len(samples.get("runner.execute_model", [])),
@@ -190,6 +221,11 @@ def compare(base_path: Path, new_path: Path) -> list[str]:
         f"- tokens/s by wall clock (median): {both('wall_tokens_per_s')}",
         f"- tokens/s by the engine's busy time (median): {both('engine_tokens_per_s')}",
         f"- steps per batch: {both('steps_per_batch')}",
+        *(
+            f"- allocator `{key}` over the timed batches: "
+            f"{base.get('allocator', {}).get(key, '?')} -> {new.get('allocator', {}).get(key, '?')}"
+            for key in (*ALLOCATOR_COUNTERS, *ALLOCATOR_GAUGES)
+        ),
         "",
         "| phase, ms per prefill step | base | new | new - base |",
         "|---|---|---|---|",
@@ -245,6 +281,7 @@ def main() -> int:
     )
     for key, ms in brief["phase_ms_per_step"].items():
         print(f"  {key:45s} {ms:8.2f} ms / step")
+    print(f"allocator over the timed batches: {result['allocator']}")
     return 0
 
 

@@ -31,6 +31,7 @@ def _result(backend: str, busy: list[float], steps: int, forward_s: float) -> di
             }
             for b in busy
         ],
+        "allocator": {"num_device_alloc": 0 if backend == "auto" else 4},
         "profile": {"batches": 3, "steps": 30},
     }
 
@@ -107,6 +108,8 @@ def test_compare_reads_two_results_and_their_profiles(tmp_path: Path):
     assert text.startswith("Prefill host time, auto (base) -> latency_specialized (new)")
     assert "| `_model_forward` | 76.00 | 78.40 | +2.40 |" in text
     assert "steps per batch: 10 -> 10" in text
+    assert "allocator `num_device_alloc` over the timed batches: 0 -> 4" in text
+    assert "allocator `num_alloc_retries` over the timed batches: ? -> ?" in text
     assert "_busy)" in text  # the profiled function, by own time
 
 
@@ -117,3 +120,15 @@ def test_compare_says_so_when_a_profile_counted_no_step(tmp_path: Path):
     new = _write(tmp_path, _result("latency_specialized", [0.8], 10, 0.76), 1)
     lines = prefill.compare(base, new)
     assert lines[-1] == "A profile counted no prefill step: no function comparison."
+
+
+def test_allocator_counters_are_differences_and_gauges_are_the_last_value():
+    before = dict.fromkeys(prefill.ALLOCATOR_COUNTERS, 5) | dict.fromkeys(
+        prefill.ALLOCATOR_GAUGES, 100
+    )
+    after = dict.fromkeys(prefill.ALLOCATOR_COUNTERS, 7) | dict.fromkeys(
+        prefill.ALLOCATOR_GAUGES, 300
+    )
+    change = prefill.allocator_change(before, after)
+    assert change["num_device_alloc"] == 2 and change["num_alloc_retries"] == 2
+    assert change["reserved_bytes.all.current"] == 300
