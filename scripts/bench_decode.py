@@ -361,11 +361,37 @@ def prefill_rates(results: dict) -> dict:
     }
 
 
+def prefill_engine_summary(batches: list[dict], phases=PREFILL_PHASE_ROWS) -> dict | None:
+    """One engine's prefill batches (``prefill_engine_batch``) by the engine core's busy
+    time: tokens/s (median, best, worst), model-runner steps per batch, the share of each
+    batch's wall clock the engine worked (median) and host ms per step of each of
+    ``phases`` timed (None: every phase), over all batches; None if no batch was timed."""
+    runs = [r for r in batches if r["engine_busy_s"] > 0]
+    if not runs:
+        return None
+    tokens = PREFILL_REQUESTS * PREFILL_TOKENS
+    rates = [tokens / r["engine_busy_s"] for r in runs]
+    steps = sum(r["steps"] for r in runs)
+    if phases is None:
+        phases = sorted({key for r in runs for key in r["phases_s"]})
+    return {
+        "median": statistics.median(rates),
+        "best": max(rates),
+        "worst": min(rates),
+        "batches": len(runs),
+        "steps_per_batch": statistics.median(r["steps"] for r in runs),
+        "busy_share": statistics.median(r["engine_busy_s"] / r["wall_s"] for r in runs),
+        "phase_ms_per_step": {
+            key: sum(r["phases_s"].get(key, 0.0) for r in runs) * 1e3 / steps
+            for key in phases
+            if steps and any(key in r["phases_s"] for r in runs)
+        },
+    }
+
+
 def prefill_engine_rates(results: dict) -> dict:
-    """Each engine's prefill batches by the engine core's busy time (tokens/s: median,
-    best, worst), its model-runner steps per batch, the share of each batch's wall clock
-    the engine worked (median), host ms per step by phase (``PREFILL_PHASE_ROWS``, over
-    all batches) and the ratio of the medians; empty unless both engines timed them."""
+    """Each engine's ``prefill_engine_summary`` (its ``PREFILL_PHASE_ROWS``) and the
+    ratio of the medians; empty unless both engines timed them."""
     errors = [f"{b}: {results[b]['prefill_engine_error']}" for b in BACKENDS
               if results[b].get("prefill_engine_error")]  # fmt: skip
     if errors:
@@ -373,27 +399,12 @@ def prefill_engine_rates(results: dict) -> dict:
     batches = {b: results[b].get("prefill_engine_batches") for b in BACKENDS}
     if not all(batches.values()):
         return {}
-    tokens = PREFILL_REQUESTS * PREFILL_TOKENS
     engines = {}
     for name, b in (("stock", "auto"), ("specialized", "latency_specialized")):
-        runs = [r for r in batches[b] if r["engine_busy_s"] > 0]
-        if not runs:
+        engine = prefill_engine_summary(batches[b])
+        if engine is None:
             return {}
-        rates = [tokens / r["engine_busy_s"] for r in runs]
-        steps = sum(r["steps"] for r in runs)
-        engines[name] = {
-            "median": statistics.median(rates),
-            "best": max(rates),
-            "worst": min(rates),
-            "batches": len(runs),
-            "steps_per_batch": statistics.median(r["steps"] for r in runs),
-            "busy_share": statistics.median(r["engine_busy_s"] / r["wall_s"] for r in runs),
-            "phase_ms_per_step": {
-                key: sum(r["phases_s"].get(key, 0.0) for r in runs) * 1e3 / steps
-                for key in PREFILL_PHASE_ROWS
-                if steps and any(key in r["phases_s"] for r in runs)
-            },
-        }
+        engines[name] = engine
     return {**engines, "ratio": engines["specialized"]["median"] / engines["stock"]["median"]}
 
 

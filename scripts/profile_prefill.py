@@ -50,6 +50,7 @@ from bench_decode import (  # noqa: E402
     _engine_args,
     host_facts,
     install_host_timers,
+    prefill_engine_summary,
     stream_batch,
     time_prefill,
     worker_env,
@@ -135,23 +136,14 @@ def run(model_dir: Path, backend: str, batches: int) -> tuple[dict, str, bytes]:
 
 
 def summary(result: dict) -> dict:
-    """Median tokens/s by wall clock and by the engine's busy time, and host ms per
-    prefill step by phase over the timed batches."""
-    batches = [b for b in result["engine_batches"] if b["engine_busy_s"] > 0]
-    tokens = result["batch"]["requests"] * result["batch"]["prompt_tokens"]
-    steps = sum(b["steps"] for b in batches)
-    phases = sorted({key for b in batches for key in b["phases_s"]})
+    """Median tokens/s by wall clock and by the engine's busy time, steps per batch and
+    host ms per prefill step of every timed phase over the timed batches."""
+    engine = prefill_engine_summary(result["engine_batches"], phases=None) or {}
     return {
         "wall_tokens_per_s": statistics.median(result["tokens_per_s"]),
-        "engine_tokens_per_s": (
-            statistics.median(tokens / b["engine_busy_s"] for b in batches) if batches else None
-        ),
-        "steps_per_batch": statistics.median(b["steps"] for b in batches) if batches else None,
-        "phase_ms_per_step": {
-            key: sum(b["phases_s"].get(key, 0.0) for b in batches) * 1e3 / steps
-            for key in phases
-            if steps
-        },
+        "engine_tokens_per_s": engine.get("median"),
+        "steps_per_batch": engine.get("steps_per_batch"),
+        "phase_ms_per_step": engine.get("phase_ms_per_step", {}),
     }
 
 
