@@ -35,6 +35,11 @@ decode.md and decode.png (step time vs N for both paths, with the floor).
 
     python3 scripts/bench_decode.py --out-dir docs/perf        # on the H200
 
+`--routing spread`: the same with every MoE router re-drawn after the dummy load so that
+tokens route apart (scripts/bench_routing.py; with dummy weights every token routes to the
+same 8 experts, so the N > 1 steps read 8 experts' weights instead of up to N x 8); writes
+decode_spread_routing.{json,md,png} and leaves decode.* (issue 6's method) alone.
+
 Split over device calls (600 s each): run `--roles auto,experts` and `--roles
 latency_specialized` with the same `--scratch DIR --runs R` (and `--triton-cache DIR` so the
 prefill kernels autotune once); each role's result records the GPU, the wheel and the
@@ -131,6 +136,19 @@ CUTE_KERNEL_NAME = re.compile(r"^kernel_cutlass_kernel_\w*?cutedsl")
 CUTE_KERNEL_ARGS = re.compile(r"_object_at_.*$")  # the mangled argument list
 BACKENDS = ("auto", "latency_specialized")
 ROLES = (*BACKENDS, "experts")
+# Routing regimes (--routing) and the name of each one's report. "dummy" is issue 6's method
+# (load_format="dummy": every token routes to the same top-k experts, decode_notes.md);
+# "spread" re-draws the MoE routers so that tokens route apart (scripts/bench_routing.py),
+# for the N > 1 steps with the expert bytes real routing reads.
+ROUTINGS = ("dummy", "spread")
+REPORT_STEMS = {"dummy": "decode", "spread": "decode_spread_routing"}
+# Issue 6's bars: the speedup at N = 1 and at N = 2, 4, 8 (there, or within
+# FLOOR_SLACK of the weight-read floor where that speedup would be below it); no N slower
+# than stock.
+BAR_SPEEDUP_N1 = 2.0
+BAR_SPEEDUP_SMALL_N = 1.8
+BAR_SMALL_NS = (2, 4, 8)
+FLOOR_SLACK = 1.15
 # The benchmark's command line, handed to its workers for their host facts.
 COMMAND_ENV = "HD_BENCH_DECODE_COMMAND"
 BF16 = 2
@@ -299,6 +317,48 @@ def floor_ms(config: dict, n: int, distinct_experts: float) -> float:
     return total / HBM_BYTES_PER_S * 1e3
 
 
+def expected_uniform_experts(config: dict, n: int) -> float:
+    """Distinct experts per MoE layer that n tokens routed independently and uniformly
+    would pick: what the spread regime's expert count should come near."""
+    experts, top_k = config["num_experts"], config["num_experts_per_token"]
+    return experts * (1.0 - (1.0 - top_k / experts) ** n)
+
+
+def issue_bar_ms(n: int, stock_ms: float, floor: float) -> float:
+    """The specialized step time issue 6 asks for at ``n`` (``BAR_*`` above)."""
+    if n == 1:
+        return stock_ms / BAR_SPEEDUP_N1
+    if n in BAR_SMALL_NS:
+        bar = stock_ms / BAR_SPEEDUP_SMALL_N
+        return bar if bar >= floor else FLOOR_SLACK * floor
+    return stock_ms
+
+
+def check_routing_summary(summary: dict | None) -> dict:
+    """What the spread-routing loader reported from an engine's worker: refuses a run in
+    which it did not run or did not change what it must (module docstring of
+    bench_routing.py)."""
+    if not summary:
+        raise RuntimeError(
+            "spread routing: the engine's worker reports no loader run (was the model "
+            "loaded with load_format=hd_spread_routing?)"
+        )
+    problems = []
+    if summary.get("moe_layers", 0) < 1:
+        problems.append("no MoE layer re-drawn")
+    if not summary.get("layers_differ"):
+        problems.append("the layers' routers are the same matrix")
+    if summary.get("bias_abs_max", 1.0) != 0.0:
+        problems.append("a correction bias is not zero")
+    std = summary.get("router_weight_std", 0.0)
+    expected = summary.get("router_weight_expected_std", 1.0)
+    if abs(std - expected) > 0.05 * expected:
+        problems.append(f"router weight std {std:.4g}, expected {expected:.4g}")
+    if problems:
+        raise RuntimeError("spread routing: " + "; ".join(problems))
+    return summary
+
+
 def summarize(config: dict, results: dict, experts: dict[int, float]) -> dict:
     """The decode.json summary from per-backend results and expert counts."""
     stock, special = results["auto"], results["latency_specialized"]
@@ -443,8 +503,12 @@ def _prefill_engine_lines(rates: dict) -> list[str]:
 
 def write_markdown(data: dict, path: Path) -> None:
     s = data["summary"]
+    routing = data.get("routing") or {"regime": "dummy"}
+    spread = routing["regime"] == "spread"
+    expected = routing.get("expected_uniform_experts") or {}
     lines = [
-        "# Decode step time inside vLLM: stock vs latency-specialized (H200)",
+        "# Decode step time inside vLLM: stock vs latency-specialized (H200"
+        + (", spread routing)" if spread else ")"),
         "",
         f"{data['gpu']}, {data['date']}, vLLM `{data['vllm']}`, `{data['command']}`.",
         "",
@@ -453,16 +517,27 @@ def write_markdown(data: dict, path: Path) -> None:
         *_cpu_lines(data.get("cpu") or {}),
         *([f"Note: {data['notes']}.", ""] if data.get("notes") else []),
         "| N | stock ms | specialized ms | speedup | floor ms | specialized / floor | "
-        "distinct experts |",
-        "|---|---|---|---|---|---|---|",
+        "distinct experts |"
+        + (" uniform expectation |" if spread else "")
+        + " issue 6's bar ms | met |",
+        "|---|---|---|---|---|---|---|" + ("---|" if spread else "") + "---|---|",
     ]
     for n, step in s["step_ms"].items():
         floor = s["floor_ms"][n]
+        bar = issue_bar_ms(int(n), step["stock"], floor)
         lines.append(
             f"| {n} | {step['stock']:.3f} | {step['specialized']:.3f} | "
             f"{s['speedup'][n]:.2f}x | {floor:.3f} | "
             f"{step['specialized'] / floor:.2f} | {s['distinct_experts'][n]:.1f} |"
+            + (f" {expected[n]:.1f} |" if spread else "")
+            + f" {bar:.3f} | {'yes' if step['specialized'] <= bar else 'no'} |"
         )
+    lines += [
+        f"Issue 6's bar: {BAR_SPEEDUP_N1}x at N = 1; {BAR_SPEEDUP_SMALL_N}x at N = "
+        f"{', '.join(map(str, BAR_SMALL_NS))}, or {FLOOR_SLACK}x the floor where that "
+        "speedup would be below the floor; stock's time elsewhere.",
+        "",
+    ]
     lines += [
         "",
         f"Prefill throughput, specialized / stock: {s['prefill_throughput_ratio']:.3f}.",
@@ -676,12 +751,32 @@ def write_plot(data: dict, path: Path) -> bool:
 
 
 # ------------------------------------------------------------------ workers
-def _engine_args(model_dir: Path, backend: str, max_num_seqs: int, **extra):
+def routing_engine_kwargs(routing: str) -> dict[str, str]:
+    """The engine arguments of a routing regime. For "spread", vLLM imports
+    bench_routing in the worker to resolve the extension, which registers the load
+    format there: scripts/ goes on PYTHONPATH for the engine-core process."""
+    if routing == "dummy":
+        return {"load_format": "dummy"}
+    if routing != "spread":
+        raise ValueError(f"unknown routing {routing!r}; choose from {ROUTINGS}")
+    import bench_routing  # registers the load format in this process too
+
+    scripts = str(Path(__file__).resolve().parent)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if scripts not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([scripts, *filter(None, paths)])
+    return {
+        "load_format": bench_routing.SPREAD_LOAD_FORMAT,
+        "worker_extension_cls": bench_routing.WORKER_EXTENSION,
+    }
+
+
+def _engine_args(model_dir: Path, backend: str, max_num_seqs: int, routing: str = "dummy", **extra):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
         model=str(model_dir),
-        load_format="dummy",
+        **routing_engine_kwargs(routing),
         skip_tokenizer_init=True,
         max_model_len=PROMPT_TOKENS + OUTPUT_TOKENS + PREFILL_TOKENS,
         gpu_memory_utilization=0.9,
@@ -725,10 +820,12 @@ def run_backend(
     runs: int,
     keep_traces: Path | None = None,
     decode_only: bool = False,
+    routing: str = "dummy",
 ) -> dict:
     """One engine with ``backend``: step times per N, prefill throughput and the kernel
     profile of a step at N = 1 (the raw traces kept in ``keep_traces`` when given).
-    ``decode_only``: step times and kernel profiles only (no prefill, no host phases)."""
+    ``decode_only``: step times and kernel profiles only (no prefill, no host phases).
+    ``routing``: the weights' routing regime (ROUTINGS)."""
     import asyncio
 
     # collective_rpc with functions (the host-phase timers) needs vLLM's pickle-based
@@ -747,7 +844,7 @@ def run_backend(
         ignore_frontend=True,
     )
     engine = AsyncLLM.from_engine_args(
-        _engine_args(model_dir, backend, max(ns), profiler_config=profiler)
+        _engine_args(model_dir, backend, max(ns), routing, profiler_config=profiler)
     )
 
     async def batch(tag: str, n: int, prompt_len: int, max_tokens: int) -> list:
@@ -777,6 +874,9 @@ def run_backend(
 
     async def main() -> dict:
         result = {"step_ms": {}, "step_ms_runs": {}, "runs": runs, "decode_only": decode_only}
+        if routing == "spread":
+            summary = (await engine.collective_rpc("hd_routing_summary"))[0]
+            result["routing_summary"] = check_routing_summary(summary)
         # One untimed request of the timed length first: on 2026-12-01 (hd.2) the first
         # timed point, N = 1, came out at 2.98 ms against 2.67 ms at N = 2, whose GPU
         # work is larger; whatever the engine still does right after start-up must not
@@ -962,19 +1062,23 @@ def keep_trace(trace: Path, keep_dir: Path | None, name: str) -> None:
     trace.unlink()
 
 
-def count_experts(model_dir: Path, ns: list[int]) -> dict[int, float]:
-    """Distinct routed experts per decode step and MoE layer (mean), from an
-    eager stock engine whose MoE routers are hooked (graph replays skip hooks)."""
+def count_experts(model_dir: Path, ns: list[int], routing: str = "dummy") -> dict:
+    """Distinct routed experts per decode step and MoE layer (mean) by N, from an
+    eager stock engine whose MoE routers are hooked (graph replays skip hooks); with
+    spread routing also what its loader changed (``routing_summary``)."""
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
 
-    args = _engine_args(model_dir, "auto", max(ns), enforce_eager=True)
+    args = _engine_args(model_dir, "auto", max(ns), routing, enforce_eager=True)
     args.compilation_config = {"mode": 0}
     llm = LLM(**{k: getattr(args, k) for k in (
         "model", "load_format", "skip_tokenizer_init", "max_model_len",
         "gpu_memory_utilization", "max_num_seqs", "enable_prefix_caching", "seed",
-        "enforce_eager", "compilation_config",
+        "enforce_eager", "compilation_config", "worker_extension_cls",
     )})  # fmt: skip
+    out: dict = {"distinct": {}}
+    if routing == "spread":
+        out["routing_summary"] = check_routing_summary(llm.collective_rpc("hd_routing_summary")[0])
 
     def install(worker):
         import torch
@@ -1003,15 +1107,14 @@ def count_experts(model_dir: Path, ns: list[int]) -> dict[int, float]:
     params = SamplingParams(
         max_tokens=EXPERT_COUNT_STEPS, ignore_eos=True, temperature=0.0, detokenize=False
     )
-    result = {}
     for n in ns:
         llm.collective_rpc(take)
         llm.generate([_prompt(i, PROMPT_TOKENS) for i in range(n)], params, use_tqdm=False)
         counts = llm.collective_rpc(take)[0]
         decode = [d for tokens, d in counts if tokens == n]
-        result[n] = statistics.mean(decode)
-        print(f"experts N={n}: {result[n]:.1f} distinct per layer-step", flush=True)
-    return result
+        out["distinct"][str(n)] = statistics.mean(decode)
+        print(f"experts N={n}: {out['distinct'][str(n)]:.1f} distinct per layer-step", flush=True)
+    return out
 
 
 # --------------------------------------------------------------------- main
@@ -1044,6 +1147,11 @@ def run_roles(
         raise ValueError(
             f"the backends in {scratch} ran with different --runs {sorted(map(str, runs))}; "
             "re-run one of them"
+        )
+    routings = {role: got[role].get("routing", "dummy") for role in ROLES}
+    if len(set(routings.values())) != 1:
+        raise ValueError(
+            f"the roles in {scratch} ran with different --routing {routings}; re-run the odd ones"
         )
     return got
 
@@ -1101,11 +1209,13 @@ def host_facts(command: str) -> dict[str, object]:
 def _worker(args) -> int:
     ns = [int(n) for n in args.n.split(",")]
     if args.worker == "experts":
-        out = {"distinct": {str(k): v for k, v in count_experts(args.model_dir, ns).items()}}
+        out = count_experts(args.model_dir, ns, args.routing)
     else:
         out = run_backend(
-            args.model_dir, args.worker, ns, args.runs, args.keep_traces, args.decode_only
-        )
+            args.model_dir, args.worker, ns, args.runs, args.keep_traces, args.decode_only,
+            args.routing,
+        )  # fmt: skip
+    out["routing"] = args.routing
     out["host"] = host_facts(os.environ.get(COMMAND_ENV, ""))
     Path(args.result).write_text(json.dumps(out))
     return 0
@@ -1127,6 +1237,7 @@ def _spawn(args, role: str, result: Path) -> None:
     cmd = [
         sys.executable, __file__, "--worker", role, "--result", str(result),
         "--model-dir", str(args.model_dir), "--n", args.n, "--runs", str(args.runs),
+        "--routing", args.routing,
     ]  # fmt: skip
     if args.keep_traces:
         cmd += ["--keep-traces", str(args.keep_traces)]
@@ -1217,6 +1328,14 @@ def main() -> int:
         "batches, no host phases), for A/Bs of the decode; such results make no report",
     )
     ap.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="dummy",
+        help="the routers' weights: dummy (issue 6's method, writes decode.*: every token "
+        "on the same experts) or spread (re-drawn so tokens route apart, writes "
+        "decode_spread_routing.*; scripts/bench_routing.py)",
+    )
+    ap.add_argument(
         "--assemble",
         action="store_true",
         help="only write the report from the role results in --scratch (any host, e.g. "
@@ -1225,8 +1344,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return _worker(args)
+    stem = REPORT_STEMS[args.routing]
+    default_scratch = args.out_dir / f".bench_{stem}"
     if args.assemble:
-        scratch = args.scratch or args.out_dir / ".bench_decode"
+        scratch = args.scratch or default_scratch
         try:
             got = run_roles([], scratch, lambda role, path: None)
         except ValueError as exc:
@@ -1237,18 +1358,18 @@ def main() -> int:
         config = json.loads((args.model_dir / "config.json").read_text())
         return _write_report(args, config, got, scratch)
     if args.render_only:
-        data = json.loads((args.out_dir / "decode.json").read_text())
+        data = json.loads((args.out_dir / f"{stem}.json").read_text())
         if args.correctness:
             try:
                 attach_correctness(data, json.loads(args.correctness.read_text()))
             except ValueError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
-            (args.out_dir / "decode.json").write_text(json.dumps(data, indent=2) + "\n")
-            write_markdown(data, args.out_dir / "decode.md")
+            (args.out_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+            write_markdown(data, args.out_dir / f"{stem}.md")
             return 0
-        write_markdown(data, args.out_dir / "decode.md")
-        write_plot(data, args.out_dir / "decode.png")
+        write_markdown(data, args.out_dir / f"{stem}.md")
+        write_plot(data, args.out_dir / f"{stem}.png")
         return 0
 
     import torch
@@ -1262,7 +1383,7 @@ def main() -> int:
         print("error: needs the patched vLLM wheel (make build-wheel)", file=sys.stderr)
         return 2
     config = json.loads((args.model_dir / "config.json").read_text())
-    scratch = args.scratch or args.out_dir / ".bench_decode"
+    scratch = args.scratch or default_scratch
     try:
         got = run_roles(args.roles.split(","), scratch, lambda role, path: _spawn(args, role, path))
     except ValueError as exc:
@@ -1302,12 +1423,18 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         kept = {k: v for k, v in host.get("switches", {}).items() if k in NON_KERNEL_SWITCHES}
         if kept:
             non_kernel[role] = kept
-    results = {b: {k: v for k, v in got[b].items() if k != "host"} for b in BACKENDS}
+    routing = got[BACKENDS[0]].get("routing", "dummy")
+    results = {
+        b: {k: v for k, v in got[b].items() if k not in ("host", "routing", "routing_summary")}
+        for b in BACKENDS
+    }
     experts = {int(k): v for k, v in got["experts"]["distinct"].items()}
     runs = results[BACKENDS[0]]["runs"]
     first = hosts[BACKENDS[0]]
+    summary = summarize(config, results, experts)
     return {
-        "summary": summarize(config, results, experts),
+        "summary": summary,
+        "routing": routing_record(config, routing, got, summary),
         "gpu_busy_ms": gpu_busy_ms(results),
         "prefill_gpu_busy_ms": prefill_gpu_busy_ms(results),
         "prefill_rates": prefill_rates(results),
@@ -1318,18 +1445,7 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
             for n in PROFILE_NS
         },
         "host_phases": {b: results[b].pop("host_phases", None) for b in BACKENDS},
-        "method": (
-            f"median inter-token latency (prefill excluded) of N requests in flight, "
-            f"{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, ignore_eos, "
-            f"greedy, median of {runs} runs; AsyncLLM streaming, one engine per "
-            "process, dummy weights, seed 0; floor = weights a step reads (distinct "
-            "experts measured on an eager stock engine) + per-request KDA/conv state "
-            "read+write + MLA latent cache read, / 4.25 TB/s. With dummy weights (every "
-            "parameter, the norms' included, uniform in +-1e-3) the router's logits vary "
-            "by ~1e-5 and its correction bias (+-1e-3) picks the experts: every token "
-            "routes to the same top-k, so the distinct experts stay at top-k for every N "
-            "and the N > 1 steps read far fewer expert weights than real routing would"
-        ),
+        "method": method_text(runs, routing),
         "model_dir": model_dir,
         "fingerprint": first["fingerprint"],
         "switches": kernel_switches(first.get("switches", {})),
@@ -1341,6 +1457,45 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         "date": max(host["date"] for host in hosts.values()),
         "command": " ; ".join(dict.fromkeys(host["command"] for host in hosts.values())),
     }
+
+
+def method_text(runs: int, routing: str) -> str:
+    common = (
+        f"median inter-token latency (prefill excluded) of N requests in flight, "
+        f"{PROMPT_TOKENS}-token prompts, {OUTPUT_TOKENS} output tokens, ignore_eos, "
+        f"greedy, median of {runs} runs; AsyncLLM streaming, one engine per "
+        "process, dummy weights, seed 0; floor = weights a step reads (distinct "
+        "experts measured on an eager stock engine) + per-request KDA/conv state "
+        "read+write + MLA latent cache read, / 4.25 TB/s. "
+    )
+    if routing == "spread":
+        return common + (
+            "Spread routing (scripts/bench_routing.py): after the dummy load, every MoE "
+            "router's weight drawn from N(0, 1/hidden_size) (seeded by its name), its "
+            "correction bias zeroed and the norm in front of it at 1, in every engine "
+            "(each engine's worker confirmed it), so a token's experts follow the token "
+            "and the N > 1 steps read about as many experts as uniform routing would "
+            "(expected_uniform_experts); every other weight as with dummy weights"
+        )
+    return common + (
+        "With dummy weights (every parameter, the norms' included, uniform in +-1e-3) "
+        "the router's logits vary by ~1e-5 and its correction bias (+-1e-3) picks the "
+        "experts: every token routes to the same top-k, so the distinct experts stay at "
+        "top-k for every N and the N > 1 steps read far fewer expert weights than real "
+        "routing would (bench_decode.py --routing spread measures that case)"
+    )
+
+
+def routing_record(config: dict, routing: str, got: dict[str, dict], summary: dict) -> dict:
+    """The report's "routing": the regime, and for spread routing what each engine's
+    loader reported and the uniform-routing expectation beside the measured experts."""
+    record: dict = {"regime": routing}
+    if routing == "spread":
+        record["engines"] = {role: got[role].get("routing_summary") for role in ROLES}
+        record["expected_uniform_experts"] = {
+            n: expected_uniform_experts(config, int(n)) for n in summary["distinct_experts"]
+        }
+    return record
 
 
 def attach_correctness(data: dict, record: dict) -> None:
@@ -1365,10 +1520,11 @@ def _write_report(args, config: dict, got: dict[str, dict], scratch: Path) -> in
         print(f"error: {exc}", file=sys.stderr)
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "decode.json").write_text(json.dumps(data, indent=2) + "\n")
-    write_markdown(data, args.out_dir / "decode.md")
-    if not write_plot(data, args.out_dir / "decode.png"):
-        print("note: matplotlib not installed, decode.png not written", file=sys.stderr)
+    stem = REPORT_STEMS[data["routing"]["regime"]]
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    write_markdown(data, args.out_dir / f"{stem}.md")
+    if not write_plot(data, args.out_dir / f"{stem}.png"):
+        print(f"note: matplotlib not installed, {stem}.png not written", file=sys.stderr)
     for f in scratch.iterdir():
         f.unlink()
     scratch.rmdir()

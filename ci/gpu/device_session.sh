@@ -63,13 +63,20 @@
 # second one writes decode.{json,md} (with the e2e correctness record when `e2e` ran on this
 # host) and both copy what they have to $OUT, with each engine's profiler traces at N = 1
 # and 2. Render the plot here: bench_decode.py --render-only --out-dir docs/perf.
+# HD_BENCH_ROUTING=spread in front of both bench roles: every engine's MoE routers re-drawn
+# so tokens route apart (bench_decode.py --routing spread, scripts/bench_routing.py); results
+# in /tmp/hd-bench-spread, report decode_spread_routing.{json,md}. HD_BENCH_N picks the N
+# (default every one; spread steps at N = 32 and 64 read ~200 experts a layer and take
+# longer: e.g. HD_BENCH_N=1,2,4,8,16).
 set -u
 : "${OUT:?run on the device host, where OUT is set}"
 # Issue 6's method (and make bench's default): the median of 3 runs per N. HD_BENCH_RUNS=1
 # for a quick look (2026-12-05's pair of record ran with the old default of 1).
 RUNS="${HD_BENCH_RUNS:-3}"
+ROUTING="${HD_BENCH_ROUTING:-dummy}"
 E2E=/tmp/hd-integ
-SCRATCH=/tmp/hd-bench
+SCRATCH="${HD_BENCH_SCRATCH:-/tmp/hd-bench}"
+[ "$ROUTING" = dummy ] || SCRATCH="$SCRATCH-$ROUTING"
 TRITON="${HD_TRITON_DIR:-/tmp/hd-triton}"
 AUTOTUNE_ARCHIVE=triton-autotune-h200.tgz
 # Autotuning results go into the Triton cache too: a fresh host given it (.gpu-cache/, from
@@ -100,6 +107,7 @@ bench_role() {
     # shellcheck disable=SC2086
     timeout 570 python3 scripts/bench_decode.py --out-dir /tmp/hd-bench-out \
         --scratch "$SCRATCH" --runs "$RUNS" --roles "$1" --triton-cache "$TRITON" \
+        --routing "$ROUTING" ${HD_BENCH_N:+--n "$HD_BENCH_N"} \
         --keep-traces "$OUT" $correctness > "/tmp/hd-bench-$1.log" 2>&1
     echo "bench $1: exit $?"
     grep -v "Autotuning kernel" "/tmp/hd-bench-$1.log" \
@@ -108,7 +116,7 @@ bench_role() {
         | gzip > "$OUT/bench-$(echo "$1" | tr , _).log.gz"  # no "," in returned names
     # The role results while the report is incomplete; the report once every role ran
     # (bench_decode.py then empties the scratch folder).
-    cp "$SCRATCH"/*.json /tmp/hd-bench-out/decode.* "$OUT"/ 2>/dev/null
+    cp "$SCRATCH"/*.json /tmp/hd-bench-out/decode* "$OUT"/ 2>/dev/null
 }
 
 case "${1:-}" in

@@ -366,12 +366,15 @@ def test_a_decode_only_run_passes_the_flag_to_its_worker(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "run_worker", lambda cmd, env, role: seen.append(cmd) or 0)
     args = bench.argparse.Namespace(
         model_dir=tmp_path, n="1,2", runs=1, keep_traces=None, triton_cache=None,
-        decode_only=True,
+        decode_only=True, routing="dummy",
     )  # fmt: skip
     bench._spawn(args, "latency_specialized", tmp_path / "r.json")
     args.decode_only = False
+    args.routing = "spread"
     bench._spawn(args, "auto", tmp_path / "a.json")
     assert "--decode-only" in seen[0] and "--decode-only" not in seen[1]
+    assert seen[0][seen[0].index("--routing") + 1] == "dummy"
+    assert seen[1][seen[1].index("--routing") + 1] == "spread"
 
 
 def test_kernel_table_sums_gpu_kernels_per_step_and_ranks_them():
@@ -812,3 +815,130 @@ def test_host_loop_node_census_sorts_a_replays_activities_by_kind():
         "memcpy": 1,
         "memset": 1,
     }
+
+
+def test_uniform_routing_expectation_counts_the_experts_n_tokens_would_pick():
+    assert bench.expected_uniform_experts(CONFIG, 1) == pytest.approx(8.0)
+    # 256 experts, top-8: decode_notes.md's 15.8 / 30.5 / 57.4 / 222 at N = 2 / 4 / 8 / 64.
+    got = [bench.expected_uniform_experts(CONFIG, n) for n in (2, 4, 8, 64)]
+    assert got == pytest.approx([15.75, 30.5, 57.4, 222.4], abs=0.1)
+
+
+def test_issue_bar_follows_issue_6():
+    assert bench.issue_bar_ms(1, 3.6, 1.46) == pytest.approx(1.8)
+    assert bench.issue_bar_ms(2, 4.17, 1.5) == pytest.approx(4.17 / 1.8)
+    # Where 1.8x would be below the floor (many experts), 1.15x the floor.
+    assert bench.issue_bar_ms(8, 7.63, 5.9) == pytest.approx(1.15 * 5.9)
+    assert bench.issue_bar_ms(16, 4.5, 2.0) == pytest.approx(4.5)  # no slower than stock
+
+
+def _spread_summary(**changes):
+    summary = {
+        "load_format": "hd_spread_routing", "moe_layers": 26, "router_weight_std": 0.0209,
+        "router_weight_expected_std": 2304**-0.5, "bias_abs_max": 0.0, "layers_differ": True,
+    }  # fmt: skip
+    return {**summary, **changes}
+
+
+def test_a_spread_run_is_refused_unless_its_loader_changed_what_it_must():
+    assert bench.check_routing_summary(_spread_summary())["moe_layers"] == 26
+    with pytest.raises(RuntimeError, match="no loader run"):
+        bench.check_routing_summary({})
+    for changes, reason in (
+        ({"moe_layers": 0}, "no MoE layer"),
+        ({"layers_differ": False}, "same matrix"),
+        ({"bias_abs_max": 1e-3}, "bias is not zero"),
+        ({"router_weight_std": 5.8e-4}, "std"),
+    ):
+        with pytest.raises(RuntimeError, match=reason):
+            bench.check_routing_summary(_spread_summary(**changes))
+
+
+def test_dummy_routing_keeps_the_dummy_load_format_and_unknown_ones_are_refused():
+    assert bench.routing_engine_kwargs("dummy") == {"load_format": "dummy"}
+    with pytest.raises(ValueError, match="unknown routing"):
+        bench.routing_engine_kwargs("real")
+
+
+def test_spread_routing_puts_scripts_on_the_engine_processes_path(monkeypatch):
+    fake = type(sys)("bench_routing")
+    fake.SPREAD_LOAD_FORMAT = "hd_spread_routing"
+    fake.WORKER_EXTENSION = "bench_routing.SpreadRoutingWorker"
+    monkeypatch.setitem(sys.modules, "bench_routing", fake)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    kwargs = bench.routing_engine_kwargs("spread")
+    assert kwargs == {
+        "load_format": "hd_spread_routing",
+        "worker_extension_cls": "bench_routing.SpreadRoutingWorker",
+    }
+    scripts = str(Path(bench.__file__).resolve().parent)
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [scripts, "/elsewhere"]
+    bench.routing_engine_kwargs("spread")  # a second engine in the process adds nothing
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [scripts, "/elsewhere"]
+
+
+def test_run_roles_refuses_roles_of_different_routing(tmp_path):
+    calls: list[str] = []
+    bench.run_roles(["auto", "experts"], tmp_path, _fake_spawn(calls))
+    spread = _fake_spawn(calls)
+
+    def spawn(role: str, path: Path) -> None:
+        spread(role, path)
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), routing="spread")))
+
+    with pytest.raises(ValueError, match="different --routing"):
+        bench.run_roles(["latency_specialized"], tmp_path, spawn)
+
+
+def _spread_role_results():
+    got = _role_results()
+    for role in bench.ROLES:
+        got[role]["routing"] = "spread"
+        got[role]["routing_summary"] = _spread_summary()
+    got["experts"]["distinct"] = {"1": 8.0, "8": 55.1}
+    return got
+
+
+def test_assemble_records_the_routing_regime():
+    dummy = bench.assemble(CONFIG, _role_results(), "m")
+    assert dummy["routing"] == {"regime": "dummy"}
+    assert "every token routes to the same top-k" in dummy["method"]
+    data = bench.assemble(CONFIG, _spread_role_results(), "m")
+    assert data["routing"]["regime"] == "spread"
+    assert data["routing"]["engines"]["experts"]["moe_layers"] == 26
+    assert data["routing"]["expected_uniform_experts"]["8"] == pytest.approx(57.4, abs=0.1)
+    assert "Spread routing" in data["method"]
+    assert data["summary"]["distinct_experts"]["8"] == 55.1
+    for backend in bench.BACKENDS:
+        assert "routing_summary" not in data["runs"][backend]
+
+
+def test_markdown_shows_issue_6s_bar_and_for_spread_routing_the_expectation(tmp_path):
+    rows = [line for line in _markdown(_report(), tmp_path).splitlines() if line.startswith("| ")]
+    assert rows[0].endswith("| issue 6's bar ms | met |")
+    assert rows[1].endswith("| 1.800 | yes |")  # 1.8 ms against 3.6 / 2.0
+    # N = 8 with 42.5 experts: 7.6 / 1.8 is below the floor, so 1.15x the floor.
+    assert bench.floor_ms(CONFIG, 8, 42.5) > 7.6 / 1.8
+    assert rows[2].endswith(f"| {1.15 * bench.floor_ms(CONFIG, 8, 42.5):.3f} | yes |")
+    spread = _report(
+        routing={"regime": "spread", "expected_uniform_experts": {"1": 8.0, "8": 57.4}}
+    )
+    text = _markdown(spread, tmp_path)
+    assert text.startswith("# Decode step time inside vLLM: stock vs latency-specialized "
+                           "(H200, spread routing)")  # fmt: skip
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert "| uniform expectation |" in rows[0] and "| 42.5 | 57.4 |" in rows[2]
+
+
+def test_a_spread_routing_report_has_its_own_files(tmp_path):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    out = tmp_path / "perf"
+    out.mkdir()
+    (out / "decode.json").write_text("{}")
+    args = bench.argparse.Namespace(model_dir=tmp_path, out_dir=out, correctness=None)
+    assert bench._write_report(args, CONFIG, _spread_role_results(), scratch) == 0
+    data = json.loads((out / "decode_spread_routing.json").read_text())
+    assert data["routing"]["regime"] == "spread"
+    assert (out / "decode_spread_routing.md").exists()
+    assert (out / "decode.json").read_text() == "{}"

@@ -224,3 +224,45 @@ def test_prefill_profile_runs_both_engines_then_compares_them(tmp_path):
     assert "prefill profile latency_specialized: exit 0" in done.stdout
     assert (out / "prefill-compare.md").read_text() == "compared auto -> latency_specialized\n"
     assert "compared auto -> latency_specialized" in done.stdout
+
+
+# Records the arguments a bench role ran with, and leaves a role result in --scratch.
+BENCH_ARGS_STAND_IN = r"""
+import json, pathlib, sys
+args = sys.argv[1:]
+scratch = pathlib.Path(args[args.index("--scratch") + 1])
+scratch.mkdir(parents=True, exist_ok=True)
+(scratch / "auto.json").write_text(json.dumps({"argv": args}))
+"""
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+@pytest.mark.parametrize(
+    ("env", "routing", "scratch", "n"),
+    [
+        ({}, "dummy", "bench", None),
+        ({"HD_BENCH_ROUTING": "spread", "HD_BENCH_N": "1,2,4"}, "spread", "bench-spread",
+         "1,2,4"),
+    ],
+)  # fmt: skip
+def test_bench_roles_pass_the_routing_regime_and_keep_its_results_apart(
+    tmp_path, env, routing, scratch, n
+):
+    tree, path = _tree_with_stand_in(tmp_path)
+    (tree / "scripts/bench_decode.py").write_text(BENCH_ARGS_STAND_IN)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(
+        os.environ, OUT=str(out), PATH=path, HD_TRITON_DIR=str(tmp_path / "t"),
+        HD_BENCH_SCRATCH=str(tmp_path / "bench"), **env,
+    )  # fmt: skip
+    done = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "bench-stock"],
+        cwd=tree, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert "bench auto,experts: exit 0" in done.stdout, done.stderr
+    argv = json.loads((tmp_path / scratch / "auto.json").read_text())["argv"]
+    assert argv[argv.index("--routing") + 1] == routing
+    assert argv[argv.index("--scratch") + 1] == str(tmp_path / scratch)
+    assert (argv[argv.index("--n") + 1] if "--n" in argv else None) == n
+    assert json.loads((out / "auto.json").read_text())["argv"] == argv
