@@ -533,12 +533,10 @@ def write_markdown(data: dict, path: Path) -> None:
             + f" {bar:.3f} | {'yes' if step['specialized'] <= bar else 'no'} |"
         )
     lines += [
+        "",
         f"Issue 6's bar: {BAR_SPEEDUP_N1}x at N = 1; {BAR_SPEEDUP_SMALL_N}x at N = "
         f"{', '.join(map(str, BAR_SMALL_NS))}, or {FLOOR_SLACK}x the floor where that "
         "speedup would be below the floor; stock's time elsewhere.",
-        "",
-    ]
-    lines += [
         "",
         f"Prefill throughput, specialized / stock: {s['prefill_throughput_ratio']:.3f}.",
         "",
