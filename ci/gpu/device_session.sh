@@ -76,7 +76,12 @@ RUNS="${HD_BENCH_RUNS:-3}"
 ROUTING="${HD_BENCH_ROUTING:-dummy}"
 E2E=/tmp/hd-integ
 SCRATCH="${HD_BENCH_SCRATCH:-/tmp/hd-bench}"
-[ "$ROUTING" = dummy ] || SCRATCH="$SCRATCH-$ROUTING"
+BENCH_OUT="${HD_BENCH_OUT:-/tmp/hd-bench-out}"
+REPORT=decode  # bench_decode.py's REPORT_STEMS
+if [ "$ROUTING" != dummy ]; then
+    SCRATCH="$SCRATCH-$ROUTING"
+    REPORT="decode_${ROUTING}_routing"
+fi
 TRITON="${HD_TRITON_DIR:-/tmp/hd-triton}"
 AUTOTUNE_ARCHIVE=triton-autotune-h200.tgz
 # Autotuning results go into the Triton cache too: a fresh host given it (.gpu-cache/, from
@@ -105,7 +110,7 @@ bench_role() {
     correctness=""
     [ -f "$E2E/correctness.json" ] && correctness="--correctness $E2E/correctness.json"
     # shellcheck disable=SC2086
-    timeout 570 python3 scripts/bench_decode.py --out-dir /tmp/hd-bench-out \
+    timeout 570 python3 scripts/bench_decode.py --out-dir "$BENCH_OUT" \
         --scratch "$SCRATCH" --runs "$RUNS" --roles "$1" --triton-cache "$TRITON" \
         --routing "$ROUTING" ${HD_BENCH_N:+--n "$HD_BENCH_N"} \
         --keep-traces "$OUT" $correctness > "/tmp/hd-bench-$1.log" 2>&1
@@ -116,7 +121,7 @@ bench_role() {
         | gzip > "$OUT/bench-$(echo "$1" | tr , _).log.gz"  # no "," in returned names
     # The role results while the report is incomplete; the report once every role ran
     # (bench_decode.py then empties the scratch folder).
-    cp "$SCRATCH"/*.json /tmp/hd-bench-out/decode* "$OUT"/ 2>/dev/null
+    cp "$SCRATCH"/*.json "$BENCH_OUT/$REPORT".* "$OUT"/ 2>/dev/null
 }
 
 case "${1:-}" in

@@ -226,13 +226,18 @@ def test_prefill_profile_runs_both_engines_then_compares_them(tmp_path):
     assert "compared auto -> latency_specialized" in done.stdout
 
 
-# Records the arguments a bench role ran with, and leaves a role result in --scratch.
+# Records the arguments a bench role ran with, leaves a role result in --scratch and both
+# regimes' reports in --out-dir (a host that ran both pairs).
 BENCH_ARGS_STAND_IN = r"""
 import json, pathlib, sys
 args = sys.argv[1:]
 scratch = pathlib.Path(args[args.index("--scratch") + 1])
 scratch.mkdir(parents=True, exist_ok=True)
 (scratch / "auto.json").write_text(json.dumps({"argv": args}))
+out = pathlib.Path(args[args.index("--out-dir") + 1])
+out.mkdir(parents=True, exist_ok=True)
+for stem in ("decode", "decode_spread_routing"):
+    (out / f"{stem}.md").write_text(stem)
 """
 
 
@@ -254,7 +259,8 @@ def test_bench_roles_pass_the_routing_regime_and_keep_its_results_apart(
     out.mkdir()
     env = dict(
         os.environ, OUT=str(out), PATH=path, HD_TRITON_DIR=str(tmp_path / "t"),
-        HD_BENCH_SCRATCH=str(tmp_path / "bench"), **env,
+        HD_BENCH_SCRATCH=str(tmp_path / "bench"), HD_BENCH_OUT=str(tmp_path / "bench-out"),
+        **env,
     )  # fmt: skip
     done = subprocess.run(
         ["sh", "ci/gpu/device_session.sh", "bench-stock"],
@@ -266,3 +272,6 @@ def test_bench_roles_pass_the_routing_regime_and_keep_its_results_apart(
     assert argv[argv.index("--scratch") + 1] == str(tmp_path / scratch)
     assert (argv[argv.index("--n") + 1] if "--n" in argv else None) == n
     assert json.loads((out / "auto.json").read_text())["argv"] == argv
+    # Only this regime's report comes back (the host's out-dir holds both).
+    reports = sorted(p.name for p in out.glob("decode*"))
+    assert reports == ["decode.md" if routing == "dummy" else "decode_spread_routing.md"]
