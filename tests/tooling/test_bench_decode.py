@@ -110,14 +110,42 @@ def test_report_gives_each_engines_prefill_batches_and_their_best_ratio(tmp_path
     assert rates["stock"] == {"median": 19_000.0, "best": 20_000.0, "worst": 17_000.0, "batches": 3}
     assert rates["specialized"]["median"] == 19_500.0
     assert rates["ratio_best"] == pytest.approx(1.05)
+    low, high = rates["ratio_ci95"]
+    assert low <= 19_500.0 / 19_000.0 <= high
+    assert rates["verdict"] == "open"
     data = _report()
     data["prefill_rates"] = rates
     text = _markdown(data, tmp_path)
     assert "stock 3 (median 19000 tokens/s, 17000-20000)" in text
-    assert "best batch specialized / stock: 1.050." in text
+    assert "best batch specialized / stock: 1.050; the medians' ratio 1.026, 95% bootstrap" in text
+    assert f"[{low:.3f}, {high:.3f}]: issue 6's 0.98 open." in text
+    # Reports written before the interval (no ratio_ci95) render as they did.
+    del rates["ratio_ci95"], rates["verdict"]
+    assert "best batch specialized / stock: 1.050." in _markdown(data, tmp_path)
     # Results without per-batch rates (older runs): no line.
     assert bench.prefill_rates(_results()) == {}
     assert "Prefill batches per engine" not in _markdown(_report(), tmp_path)
+
+
+def test_the_ratio_of_medians_interval_and_issue_6s_verdict():
+    """The bootstrap interval holds the ratio of the medians, narrows with more
+    batches, is the same on every call (fixed seed), and decides the 2% target only
+    when the whole interval is on one side of 0.98."""
+    # 24 batches spread over 6%: a 0.1% difference is shown within 2%.
+    stock = [19_000.0 + 50.0 * i for i in range(24)]
+    same = [r * 1.001 for r in stock]
+    low, high = bench.ratio_of_medians_interval(same, stock)
+    assert low <= 1.001 <= high
+    assert (low, high) == bench.ratio_of_medians_interval(same, stock)
+    few = bench.ratio_of_medians_interval(same[::4], stock[::4])
+    assert few[1] - few[0] >= high - low
+    assert bench.prefill_verdict((0.985, 1.01)) == "shown"
+    assert bench.prefill_verdict((0.95, 0.979)) == "refuted"
+    assert bench.prefill_verdict((0.97, 1.01)) == "open"
+    # A slower engine by 10% with this spread: refuted.
+    slow = bench.ratio_of_medians_interval([r * 0.9 for r in stock], stock)
+    assert bench.prefill_verdict(slow) == "refuted"
+    assert bench.prefill_verdict((low, high)) == "shown"
 
 
 def test_report_compares_the_prefill_gpu_time_of_both_engines(tmp_path):
@@ -224,7 +252,10 @@ def test_report_gives_the_prefill_by_the_engines_busy_time(tmp_path):
     data = _report()
     data["prefill_engine_rates"] = rates
     text = _markdown(data, tmp_path)
-    assert "specialized / stock 0.900." in text
+    assert "specialized / stock 0.900, 95% bootstrap interval of the ratio of medians [" in text
+    # Three batches each cannot decide even a 10% difference.
+    assert rates["verdict"] == "open"
+    assert rates["ratio_ci95"][0] <= 0.9 <= rates["ratio_ci95"][1]
     assert f"stock median {tokens / 0.45:.0f} tokens/s" in text
     assert "3 batches of 8 steps; busy 50% of the batch's wall clock" in text
     assert "| `runner._prepare_inputs` | 1.00 | 2.00 |" in text
@@ -942,3 +973,85 @@ def test_a_spread_routing_report_has_its_own_files(tmp_path):
     assert data["routing"]["regime"] == "spread"
     assert (out / "decode_spread_routing.md").exists()
     assert (out / "decode.json").read_text() == "{}"
+
+
+def test_prefill_read_at_each_batchs_host_speed(tmp_path):
+    """A host that runs every phase of some batches slower (as hd.24's pair showed)
+    moves the busy-time ratio but not the host-gauged one: each batch's busy time is
+    read against its own runner phases that do the same work in both engines."""
+
+    def batches(speeds, forward_cost=1.0):
+        # A batch at host speed v: every phase takes 1/v as long.
+        return [
+            {
+                "wall_s": 0.9 / v,
+                "engine_busy_s": forward_cost * 0.8 / v + 0.02 / v,
+                "steps": 10,
+                # 0.02 s of gauge phases at speed 1.
+                "phases_s": {
+                    k: 0.02 / len(bench.PREFILL_HOST_GAUGE_PHASES) / v
+                    for k in bench.PREFILL_HOST_GAUGE_PHASES
+                },
+            }
+            for v in speeds
+        ]
+
+    stock_speeds = [1.0 + 0.01 * (i % 7) for i in range(24)]
+    slow_host = [s * 0.8 for s in stock_speeds]  # the specialized engine's host, 20% slower
+    results = _results()
+    results["auto"]["prefill_engine_batches"] = batches(stock_speeds)
+    results["latency_specialized"]["prefill_engine_batches"] = batches(slow_host)
+    rates = bench.prefill_engine_rates(results)
+    assert rates["ratio"] == pytest.approx(0.8, rel=1e-3)
+    assert rates["verdict"] == "refuted"
+    gauged = rates["host_gauged"]
+    assert gauged["ratio"] == pytest.approx(1.0)
+    assert gauged["verdict"] == "shown"
+    data = _report()
+    data["prefill_engine_rates"] = rates
+    text = _markdown(data, tmp_path)
+    assert "At the host speed of each batch" in text
+    assert " + ".join(f"`{k}`" for k in bench.PREFILL_HOST_GAUGE_PHASES) in text
+    assert "specialized / stock 1.000, 95% bootstrap interval" in text
+    # A model forward that really costs 5% more on the same host shows at any host speed.
+    results["latency_specialized"]["prefill_engine_batches"] = batches(slow_host, 1.05)
+    gauged = bench.prefill_engine_rates(results)["host_gauged"]
+    assert gauged["ratio"] == pytest.approx(0.82 / 0.86, rel=1e-3)
+    assert gauged["verdict"] == "refuted"
+    # Batches without a gauge phase (older results): no host-gauged reading.
+    for batch in results["auto"]["prefill_engine_batches"]:
+        del batch["phases_s"][bench.PREFILL_HOST_GAUGE_PHASES[0]]
+    assert "host_gauged" not in bench.prefill_engine_rates(results)
+
+
+def test_render_only_recomputes_the_prefill_statistics_from_the_kept_batches(tmp_path, monkeypatch):
+    """A report measured before a statistic existed gets it from the batches it keeps
+    (``runs``), without a new measurement; its summary stays as measured."""
+    data = bench.assemble(CONFIG, _role_results(), "m")
+    runs = data["runs"]
+    runs["auto"]["prefill_tokens_per_s_runs"] = [19_000.0 + 50.0 * i for i in range(12)]
+    runs["latency_specialized"]["prefill_tokens_per_s_runs"] = [
+        19_000.0 + 50.0 * i for i in range(12)
+    ]
+    data["prefill_rates"] = {"stale": True}
+    (tmp_path / "decode.json").write_text(json.dumps(data))
+    monkeypatch.setattr(
+        sys, "argv", ["bench_decode.py", "--render-only", "--out-dir", str(tmp_path)]
+    )
+    assert bench.main() == 0
+    written = json.loads((tmp_path / "decode.json").read_text())
+    assert "stale" not in written["prefill_rates"]
+    assert (
+        written["prefill_rates"]["ratio_ci95"][0]
+        <= 1.0
+        <= written["prefill_rates"]["ratio_ci95"][1]
+    )
+    assert written["summary"] == data["summary"]
+    assert "95% bootstrap interval" in (tmp_path / "decode.md").read_text()
+    # Nothing to refresh (no kept batches): the file is left as it was.
+    data["prefill_rates"] = written["prefill_rates"]
+    del data["runs"]
+    (tmp_path / "decode.json").write_text(json.dumps(data))
+    before = (tmp_path / "decode.json").read_text()
+    assert bench.main() == 0
+    assert (tmp_path / "decode.json").read_text() == before
