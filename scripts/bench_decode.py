@@ -85,7 +85,7 @@ PREFILL_RUNS = 24
 # Issue 6: prefill throughput within 2% of stock.
 PREFILL_TARGET_RATIO = 0.98
 # The host's speed moves every phase of a prefill step together (hd.24's pair: one
-# engine's batches 1.75x apart in each phase alike, decode_notes.md), so each batch is
+# engine's batches up to ~1.8x apart in every phase, decode_notes.md), so each batch is
 # also read against these phases: stock code doing the same work in both engines (the
 # specialized engine builds all metadata for prefill steps), i.e. a gauge of how fast
 # the host ran that batch. Rate = gauge seconds / engine-busy seconds. On hd.24's
@@ -561,8 +561,9 @@ def host_gauged_rates(batches: list[dict]) -> list[float]:
 
 
 def _interval_text(rates: dict) -> str:
-    """ ", 95% interval [a, b]: issue 6's 2% shown / refuted / open" for rates that
-    carry one (older reports do not)."""
+    """The ratio's 95% interval and issue 6's verdict as a clause to append (", 95%
+    bootstrap interval ... [a, b]: issue 6's 0.98 open"); empty for rates without one
+    (reports measured before the interval existed)."""
     if "ratio_ci95" not in rates:
         return ""
     low, high = rates["ratio_ci95"]
