@@ -57,6 +57,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import signal
@@ -432,8 +433,6 @@ def ratio_of_medians_interval(
     """95% bootstrap interval of median(specialized) / median(stock): each engine's
     batches resampled with replacement, the 2.5th and 97.5th percentiles of the
     resampled ratios."""
-    import random
-
     rng = random.Random(seed)
     ratios = sorted(
         statistics.median(rng.choices(specialized, k=len(specialized)))
