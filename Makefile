@@ -16,7 +16,7 @@ HD := $(PY) scripts/hd.py
 
 .PHONY: help venv-dev fetch import apply export lint drift ruff check build-wheel \
 	verify-wheel index venv test test-tooling test-real-pin test-runtime test-upstream \
-	test-gpu bench pre-commit _need-vllm rebase bump-pin upstream-pr clean distclean
+	test-gpu bench gpu-bundle pre-commit _need-vllm rebase bump-pin upstream-pr clean distclean
 
 help:
 	@sed -n '2,9p' Makefile
@@ -99,6 +99,17 @@ test: test-tooling test-real-pin test-runtime test-upstream test-gpu
 # docs/perf/decode.{json,md,png} with the patch-set fingerprint that `make upstream-pr` checks.
 bench: venv
 	$(WHEEL_VENV)/bin/python scripts/bench_decode.py --out-dir docs/perf $(BENCH_ARGS)
+
+# This workplace's offline H200: the built wheel, vLLM's dependencies and CuTe DSL staged as
+# .gpu-bundle/hdN/vllm/part-NN (copy them with PLAN.txt). Parts of 56 MiB: a device call carries
+# at most 64 MiB, the part and the working tree (~6 MiB) together; the tool's 60 MiB default
+# does not fit.
+GPU_BUNDLE_BUILD ?= ../shared/gpu-bundle/build.py
+gpu-bundle: build-wheel
+	@label=$$(sed -n 's/^local_label = "\(.*\)"$$/\1/p' VERSION); \
+	wheel=$$(ls dist/vllm-*+$$label-*.whl) && \
+	$(PYTHON) $(GPU_BUNDLE_BUILD) vllm --extra-wheel $$PWD/$$wheel --part-mib 56 \
+	    --out .gpu-bundle/$$(echo $$label | tr -d .)
 
 # Move to another upstream release in two explicit steps (VLLM=<version>, e.g. 0.33.0):
 #   make rebase VLLM=X     fetch + verify X, git am -3 the series onto it (build/upstream branch
