@@ -37,7 +37,9 @@
 #                                        # N = 1 trace (scripts/trace_seams.py; HD_AB_SEAM holds
 #                                        # its arguments for another seam) per value;
 #                                        # results stay on the host (HD_AB_DIR, default /tmp),
-#                                        # so one value per call works too
+#                                        # so one value per call works too; HD_AB_LAYERS=N
+#                                        # runs the model cut to its first N layers (a GPU
+#                                        # of 80 GB: the 48B model needs ~98 GB)
 #   sh ci/gpu/device_session.sh save-caches         # the host's Triton cache (with the
 #                                        # autotuning results) and kernel cache (if any) into
 #                                        # $OUT in <= 15 MiB pieces; put them in .gpu-cache/
@@ -224,6 +226,26 @@ engine-ab)
     # phases of a full run (~11 prefill batches, 4 more decode batches) are left out.
     decode_only=--decode-only
     [ "${HD_AB_FULL:-0}" = 1 ] && decode_only=""
+    model_dir=""
+    if [ -n "${HD_AB_LAYERS:-}" ]; then
+        # For a GPU that cannot hold the 48B model (an H100's 80 GB): the model cut to its
+        # first HD_AB_LAYERS layers, by the rule of tests/integration's 5-layer model.
+        model_dir="$ab-model-$HD_AB_LAYERS"
+        python3 - "$HD_AB_LAYERS" "$model_dir" <<'CUT' || exit 2
+import json, pathlib, sys
+n, out = int(sys.argv[1]), pathlib.Path(sys.argv[2])
+config = json.loads(pathlib.Path("tests/runtime/kimi_linear_48b/config.json").read_text())
+if not 2 <= n <= config["num_hidden_layers"]:
+    sys.exit(f"HD_AB_LAYERS={n}: the model has 2..{config['num_hidden_layers']} layers")
+linear = config["linear_attn_config"]
+mla = [i for i in linear["full_attn_layers"] if i <= n]
+config["num_hidden_layers"] = n
+linear["full_attn_layers"] = mla
+linear["kda_layers"] = [i for i in range(1, n + 1) if i not in mla]
+out.mkdir(parents=True, exist_ok=True)
+(out / "config.json").write_text(json.dumps(config, indent=2))
+CUT
+    fi
     for value in "$@"; do
         tag=$(echo "$value" | tr -c 'A-Za-z0-9_.\n-' _)  # returned names: no odd characters
         [ -n "$tag" ] || tag=empty
@@ -234,7 +256,8 @@ engine-ab)
         env "$var=$value" timeout "${HD_AB_ENGINE_S:-560}" python3 scripts/bench_decode.py \
             --out-dir "$ab-out-$tag" --scratch "$ab-$tag" --runs 1 \
             --n "${HD_AB_N:-1,2}" --roles latency_specialized --triton-cache "$TRITON" \
-            --keep-traces "$ab-traces-$tag" $decode_only > "$ab-$tag.log" 2>&1
+            --keep-traces "$ab-traces-$tag" $decode_only \
+            ${model_dir:+--model-dir "$model_dir"} > "$ab-$tag.log" 2>&1
         echo "engine $var=$value: exit $?"
         grep -v "Autotuning kernel" "$ab-$tag.log" \
             | grep -E " N=|rror|Traceback|specialized decode:" | tail -8

@@ -20,7 +20,10 @@ ap = argparse.ArgumentParser()
 for a in ("--out-dir", "--scratch", "--runs", "--n", "--roles", "--triton-cache", "--keep-traces"):
     ap.add_argument(a)
 ap.add_argument("--decode-only", action="store_true")
+ap.add_argument("--model-dir")
 args = ap.parse_args()
+if args.model_dir:
+    print("model dir:", args.model_dir)
 assert args.roles == "latency_specialized" and args.runs == "1" and args.n == "1,2"
 assert args.decode_only == (os.environ.get("HD_AB_FULL") != "1")
 busy = 2000.0 + float(os.environ["HD_SWITCH"])
@@ -51,6 +54,9 @@ def _tree_with_stand_in(tmp_path):
     (tree / "ci" / "gpu").mkdir(parents=True)
     shutil.copy(ROOT / "ci/gpu/device_session.sh", tree / "ci/gpu")
     shutil.copy(ROOT / "scripts/trace_seams.py", tree / "scripts")
+    config = "tests/runtime/kimi_linear_48b/config.json"
+    (tree / config).parent.mkdir(parents=True)
+    shutil.copy(ROOT / config, tree / config)
     (tree / "scripts/bench_decode.py").write_text(STAND_IN)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -95,6 +101,23 @@ def test_engine_ab_runs_the_engine_once_per_value_and_returns_its_numbers(tmp_pa
         cwd=tree, env=dict(env, HD_AB_FULL="1"), capture_output=True, text=True,
     )  # fmt: skip
     assert "engine HD_SWITCH=3: exit 0" in full.stdout, full.stderr
+    # HD_AB_LAYERS=5: the model cut to its first 5 layers, the same config as the
+    # end-to-end tests' model; a count the model does not have fails before any engine.
+    cut = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH", "4"],
+        cwd=tree, env=dict(env, HD_AB_LAYERS="5"), capture_output=True, text=True,
+    )  # fmt: skip
+    assert "engine HD_SWITCH=4: exit 0" in cut.stdout, cut.stderr
+    model_dir = tmp_path / "hd-ab-model-5"
+    assert f"model dir: {model_dir}" in (tmp_path / "hd-ab-4.log").read_text()
+    small = ROOT / "tests/integration/kimi_linear_5_layers/config.json"
+    assert json.loads((model_dir / "config.json").read_text()) == json.loads(small.read_text())
+    too_many = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH", "5"],
+        cwd=tree, env=dict(env, HD_AB_LAYERS="28"), capture_output=True, text=True,
+    )  # fmt: skip
+    assert too_many.returncode == 2 and "the model has 2..27 layers" in too_many.stderr
+    assert not (tmp_path / "hd-ab-5.log").exists()
     missing = subprocess.run(
         ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH"],
         cwd=tree, env=env, capture_output=True, text=True,
