@@ -108,8 +108,9 @@ EXPERT_COUNT_STEPS = 64
 # (GPU time per kernel name, CUDA-graph replays included): where a step's time goes.
 PROFILE_TOKENS = 64
 # N of the traced requests: a kernel table and the GPU busy time per N in decode.md, the
-# traces kept with --keep-traces for the host side.
-PROFILE_NS = (1, 2)
+# traces kept with --keep-traces for the host side. HD_BENCH_PROFILE_N (e.g. 1,2,4,8)
+# traces others too, for engine A/Bs whose switch acts at larger N.
+PROFILE_NS = tuple(int(n) for n in os.environ.get("HD_BENCH_PROFILE_N", "1,2").split(","))
 # Last in each engine (the timers stay installed): one batch of the timed shape per N
 # with profile_host_loop.py's perf_counter wrappers on the engine core's phases, so the
 # host's time per step by phase comes from the benchmark's own host and engine. N = 4 and 8

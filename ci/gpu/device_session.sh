@@ -39,7 +39,9 @@
 #                                        # results stay on the host (HD_AB_DIR, default /tmp),
 #                                        # so one value per call works too; HD_AB_LAYERS=N
 #                                        # runs the model cut to its first N layers (a GPU
-#                                        # of 80 GB: the 48B model needs ~98 GB)
+#                                        # of 80 GB: the 48B model needs ~98 GB);
+#                                        # HD_BENCH_PROFILE_N=1,2,4,8 traces those N (GPU
+#                                        # busy per step; default 1,2)
 #   sh ci/gpu/device_session.sh save-caches         # the host's Triton cache (with the
 #                                        # autotuning results) and kernel cache (if any) into
 #                                        # $OUT in <= 15 MiB pieces; put them in .gpu-cache/

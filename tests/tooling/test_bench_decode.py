@@ -1055,3 +1055,16 @@ def test_render_only_recomputes_the_prefill_statistics_from_the_kept_batches(tmp
     before = (tmp_path / "decode.json").read_text()
     assert bench.main() == 0
     assert (tmp_path / "decode.json").read_text() == before
+
+
+def test_the_traced_ns_default_to_1_and_2_and_follow_hd_bench_profile_n():
+    script = "import bench_decode; print(bench_decode.PROFILE_NS)"
+    scripts = str(Path(bench.__file__).parent)
+    env = dict(os.environ, PYTHONPATH=scripts)
+    env.pop("HD_BENCH_PROFILE_N", None)
+    run = [sys.executable, "-c", script]
+    default = subprocess.run(run, env=env, capture_output=True, text=True)
+    assert default.stdout.strip() == "(1, 2)", default.stderr
+    env["HD_BENCH_PROFILE_N"] = "1,2,4,8"
+    wider = subprocess.run(run, env=env, capture_output=True, text=True)
+    assert wider.stdout.strip() == "(1, 2, 4, 8)", wider.stderr
