@@ -108,9 +108,22 @@ EXPERT_COUNT_STEPS = 64
 # (GPU time per kernel name, CUDA-graph replays included): where a step's time goes.
 PROFILE_TOKENS = 64
 # N of the traced requests: a kernel table and the GPU busy time per N in decode.md, the
-# traces kept with --keep-traces for the host side. HD_BENCH_PROFILE_N (e.g. 1,2,4,8)
-# traces others too, for engine A/Bs whose switch acts at larger N.
-PROFILE_NS = tuple(int(n) for n in os.environ.get("HD_BENCH_PROFILE_N", "1,2").split(","))
+# traces kept with --keep-traces for the host side (traced_ns: an A/B may trace others).
+PROFILE_NS = (1, 2)
+PROFILE_N_ENV = "HD_BENCH_PROFILE_N"
+
+
+def traced_ns(environ: dict[str, str] | None = None) -> tuple[int, ...]:
+    """The N an engine traces: PROFILE_NS, or those PROFILE_N_ENV lists (e.g. 1,2,4,8, for
+    an engine A/B whose switch acts at larger N; the report keeps PROFILE_NS's)."""
+    value = (os.environ if environ is None else environ).get(PROFILE_N_ENV)
+    if not value:
+        return PROFILE_NS
+    if not re.fullmatch(r"[1-9][0-9]*(,[1-9][0-9]*)*", value):
+        raise SystemExit(f"{PROFILE_N_ENV}={value!r}: expected N[,N...], e.g. 1,2,4,8")
+    return tuple(int(n) for n in value.split(","))
+
+
 # Last in each engine (the timers stay installed): one batch of the timed shape per N
 # with profile_host_loop.py's perf_counter wrappers on the engine core's phases, so the
 # host's time per step by phase comes from the benchmark's own host and engine. N = 4 and 8
@@ -977,7 +990,7 @@ def run_backend(
 
     async def profile_decode(result: dict) -> None:
         # Kept apart from the timed numbers: a failed trace is reported, not fatal.
-        for n in PROFILE_NS:
+        for n in traced_ns():
             try:
                 trace = await traced_batch(f"profile{n}", n, PROMPT_TOKENS, PROFILE_TOKENS)
                 table = read_trace(trace, PROFILE_TOKENS)
@@ -1460,6 +1473,7 @@ def main() -> int:
         "after copying them back from the GPU host)",
     )
     args = ap.parse_args()
+    traced_ns()  # a bad HD_BENCH_PROFILE_N fails here, before any engine starts
     if args.worker:
         return _worker(args)
     stem = REPORT_STEMS[args.routing]

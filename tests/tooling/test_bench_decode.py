@@ -1057,14 +1057,10 @@ def test_render_only_recomputes_the_prefill_statistics_from_the_kept_batches(tmp
     assert (tmp_path / "decode.json").read_text() == before
 
 
-def test_the_traced_ns_default_to_1_and_2_and_follow_hd_bench_profile_n():
-    script = "import bench_decode; print(bench_decode.PROFILE_NS)"
-    scripts = str(Path(bench.__file__).parent)
-    env = dict(os.environ, PYTHONPATH=scripts)
-    env.pop("HD_BENCH_PROFILE_N", None)
-    run = [sys.executable, "-c", script]
-    default = subprocess.run(run, env=env, capture_output=True, text=True)
-    assert default.stdout.strip() == "(1, 2)", default.stderr
-    env["HD_BENCH_PROFILE_N"] = "1,2,4,8"
-    wider = subprocess.run(run, env=env, capture_output=True, text=True)
-    assert wider.stdout.strip() == "(1, 2, 4, 8)", wider.stderr
+def test_the_traced_ns_default_to_the_reports_and_follow_hd_bench_profile_n():
+    assert bench.traced_ns({}) == bench.PROFILE_NS == (1, 2)
+    assert bench.traced_ns({"HD_BENCH_PROFILE_N": ""}) == (1, 2)
+    assert bench.traced_ns({"HD_BENCH_PROFILE_N": "1,2,4,8"}) == (1, 2, 4, 8)
+    for bad in ("4 8", "0", "1,,2", "x"):
+        with pytest.raises(SystemExit, match=f"HD_BENCH_PROFILE_N={bad!r}"):
+            bench.traced_ns({"HD_BENCH_PROFILE_N": bad})
