@@ -1229,6 +1229,9 @@ def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypa
         ({"VLLM_HD_KERNEL_CACHE": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}, None),
         ({"VLLM_HD_KERNEL_CACHE": "/data/kernels", "VLLM_DISABLE_COMPILE_CACHE": "0"},
          "/data/kernels"),
+        # An explicit directory is used even with vLLM's compile cache off.
+        ({"VLLM_HD_KERNEL_CACHE": "/data/kernels", "VLLM_DISABLE_COMPILE_CACHE": "1"},
+         "/data/kernels"),
     ],
 )  # fmt: skip
 def test_the_kernel_cache_switch(environ, path):

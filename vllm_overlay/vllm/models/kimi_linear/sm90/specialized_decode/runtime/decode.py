@@ -246,8 +246,10 @@ def moe_prewait_from_env(
 
 # The compiled CuTe DSL kernels kept on disk between engine starts
 # (cutedsl/common/compile_cache.py): "1" under vLLM's cache root, an absolute path
-# in that directory; unset or "0" off (until the H200 has run the cached kernels).
-# VLLM_DISABLE_COMPILE_CACHE=1, vLLM's switch for its own compile cache, keeps it off.
+# in that directory; unset or "0" off (until an engine has run the cached kernels).
+# VLLM_DISABLE_COMPILE_CACHE=1, vLLM's switch for its own compile cache, keeps "1" off;
+# an absolute directory is an explicit request and stays on (the benchmarks set both:
+# they disable vLLM's cache to share one Triton cache between engines).
 KERNEL_CACHE_ENV = "VLLM_HD_KERNEL_CACHE"
 KERNEL_CACHE_SUBDIR = os.path.join("hopper_decode", "cutedsl")
 
@@ -268,22 +270,22 @@ def kernel_cache_dir_from_env(
 
             cache_root = envs.VLLM_CACHE_ROOT
         path = os.path.join(cache_root, KERNEL_CACHE_SUBDIR)
-    elif os.path.isabs(value):
-        path = value
-    else:
-        raise ValueError(
-            f"{KERNEL_CACHE_ENV}={value!r}: expected 0 (off), 1 (under "
-            "VLLM_CACHE_ROOT) or an absolute directory"
-        )
-    if env.get("VLLM_DISABLE_COMPILE_CACHE", "0").strip() not in ("", "0"):
-        logger.info(
-            "Kimi-Linear specialized decode: VLLM_DISABLE_COMPILE_CACHE is set, so "
-            "the kernels compile without %s's cache (%s)",
-            KERNEL_CACHE_ENV,
-            path,
-        )
-        return None
-    return path
+        if env.get("VLLM_DISABLE_COMPILE_CACHE", "0").strip() not in ("", "0"):
+            logger.info(
+                "Kimi-Linear specialized decode: VLLM_DISABLE_COMPILE_CACHE is set, so "
+                "the kernels compile without the cache under VLLM_CACHE_ROOT (%s); "
+                "%s=<absolute directory> would be used",
+                path,
+                KERNEL_CACHE_ENV,
+            )
+            return None
+        return path
+    if os.path.isabs(value):
+        return value
+    raise ValueError(
+        f"{KERNEL_CACHE_ENV}={value!r}: expected 0 (off), 1 (under "
+        "VLLM_CACHE_ROOT) or an absolute directory"
+    )
 
 
 def check_environment() -> None:
