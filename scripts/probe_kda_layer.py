@@ -28,7 +28,11 @@ and the engine A/Bs of 2026-12-03 and 2026-12-04 lost exactly there. Variants:
 * ``gate_up_prewaitS`` / ``down_prewaitS``: the MoE expert launches' first weight
   batch of S K-steps (``MoeConfig``; ``VLLM_HD_MOE_PREWAIT=G,D`` in the engine;
   gate_up: 9 steps a warp at M-bucket 1 and ``unroll`` = 8 by default, down: 8,
-  of which 8 is hd.17's).
+  of which 8 is hd.17's);
+* ``early_shared_down``: gate_up's shared-expert CTAs also run the shared
+  expert's down, its weights staged before their PDL wait
+  (``MoeConfig.early_shared_down_max_bucket``; ``VLLM_HD_MOE_EARLY_SHARED_DOWN=8``
+  in the engine).
 
 Before timing, each variant's last layer output and KDA states after one chain
 from the same caches must agree with ``base``'s (``_check``).
@@ -59,6 +63,7 @@ MOE_VARIANTS = {
     "gate_up_prewait6": {"gate_up_prewait_steps": 6},
     "down_prewait4": {"down_prewait_steps": 4},
     "down_prewait8": {"down_prewait_steps": 8},
+    "early_shared_down": {"early_shared_down_max_bucket": 8},
 }
 VARIANTS = (
     "base",

@@ -49,7 +49,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects import llvm, nvvm
+from cutlass.cute.nvgpu import cpasync
 
 from ..common.rmsnorm import normalized_chunk
 from ..common.skinny_mma import (
@@ -93,6 +94,26 @@ INPUT_ROW_SKEW = 32
 MAX_PORTABLE_CLUSTER = 8
 MAX_CLUSTER_TILES = 16
 CLUSTER_LEADER = 0
+# The early shared down (``MoeGateUpEarlySharedDownKernel``): its words in the
+# layer's int32 sync workspace, the count of the shared expert's gate_up tiles
+# done (on a 128-byte line of its own: the waiting CTAs poll it), then one
+# "done" flag per down row tile.
+EARLY_H_TILES_DONE = 0
+EARLY_DOWN_DONE = 32
+# Pause between two polls of the count, in ns, and the polls after which a CTA
+# leaves its shared down tiles to the down launch (~50 us; the count is normally
+# complete ~1-2 us after a CTA's own tile): a grid whose shared-expert CTAs
+# cannot all be resident at once is slower, never hung.
+EARLY_POLL_NS = 32
+EARLY_MAX_POLLS = 64
+# Padding (elements) of a shared-memory row of staged down weights: rows 2 KiB
+# apart would put the 8 rows a warp's quads read at once in the same banks.
+EARLY_ROW_PAD = 8
+
+
+def early_sync_words(hidden: int) -> int:
+    """Int32 words of the early shared down's sync workspace for ``hidden``."""
+    return EARLY_DOWN_DONE + hidden // ROWS_PER_TILE
 
 
 def _ordered_key(value: Float32) -> Int32:
@@ -1145,6 +1166,388 @@ class MoeExpertKernel:
                         )
                         if token < ntok:
                             out[row0 + token, row] = total[4 * h + v]
+
+
+class MoeGateUpEarlySharedDownKernel(MoeExpertKernel):
+    """``gate_up`` (launch 2) whose shared-expert CTAs also run the shared
+    expert's down projection, so that the ``down`` launch streams the routed
+    experts only and the shared down's weights load before this launch's PDL
+    wait, while the router still runs.
+
+    A shared-expert CTA (slot lane 0, column tile ``t``) stages the shared
+    down's rows of down tile ``t`` (16 x I bf16) into shared memory with
+    cp.async before its wait, runs its shared gate_up tile as ``gate_up``
+    does, counts it done (a GPU-scope atomic after its h columns), and then
+    polls the count until every tile of the shared h exists.  It computes down
+    tile ``t`` (and ``t + tiles``, ... where down has more tiles) from shared
+    memory with the K split of the ``down`` launch (``down_warps`` warps,
+    that launch's ``WarpRowTileMma`` shape), so the FP32 sums are the down
+    launch's bit for bit, writes the shared expert's rows of ``y`` and marks
+    the tile done.  ``MoeDownAfterEarlySharedKernel`` computes every tile not
+    marked (a CTA that stopped polling after ``max_polls``) and re-arms the
+    flags and the count, so the pair replays in a CUDA graph.
+
+    Only for M-buckets of up to 8 tokens (one MMA column).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        m_bucket: int,
+        slot_lanes: int,
+        warps: int,
+        down_warps: int,
+        use_pdl: bool = True,
+        weight_l2_policy: str | None = None,
+        prewait_steps: int | None = None,
+        max_polls: int = EARLY_MAX_POLLS,
+    ):
+        super().__init__(
+            STAGE_GATE_UP, hidden, inter, num_experts, top_k, m_bucket, slot_lanes,
+            warps, use_pdl, weight_l2_policy, prewait_steps,
+        )  # fmt: skip
+        if self.halves != 1:
+            raise ValueError(
+                f"the early shared down is for M-buckets of up to {TOKENS_PER_MMA} "
+                f"tokens, got {m_bucket}"
+            )
+        if down_warps > warps:
+            raise ValueError(
+                f"the shared down's {down_warps} warps must be among gate_up's {warps}"
+            )
+        # The down launch's K split (its shared unit's arithmetic, bit for
+        # bit); the weights come from shared memory here, so no L2 policy. The
+        # warps past ``down_warps`` find their K range past the row: guarded,
+        # they load nothing and add zeros that reduce_warps leaves out.
+        down = MoeExpertKernel(
+            STAGE_DOWN, hidden, inter, num_experts, top_k, m_bucket, slot_lanes,
+            down_warps, use_pdl,
+        )  # fmt: skip
+        plain = down.mmas[1]
+        self.down_mma = WarpRowTileMma(
+            inter, plain.steps, plain.unroll, 1, plain.k_ragged or warps > down_warps
+        )
+        self.down_warps = down_warps
+        self.down_tiles = down.tiles
+        self.down_k_chunks = inter // CHUNK
+        self.row_pitch = inter + EARLY_ROW_PAD
+        stage_chunks = ROWS_PER_TILE * self.down_k_chunks
+        if stage_chunks % self.threads:
+            raise ValueError(
+                f"{stage_chunks} weight chunks of a down tile do not split over "
+                f"{self.threads} threads"
+            )
+        self.stage_rounds = stage_chunks // self.threads
+        self.max_polls = max_polls
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        shared_w_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        shared_down_ptr: cute.Pointer,
+        y_ptr: cute.Pointer,
+        sync_ptr: cute.Pointer,
+        m: Int32,
+        stream: cuda.CUstream,
+    ):
+        red_bytes = self.warps * WARP_THREADS * 4 * self.halves * 4
+        stage_bytes = ROWS_PER_TILE * self.row_pitch * 2
+        args = (x_ptr, w_ptr, shared_w_ptr, table_ptr, out_ptr, shared_down_ptr, y_ptr)
+        self.kernel(*args, sync_ptr, m).launch(
+            grid=[self.tiles, self.slot_lanes, 1],
+            block=[self.threads, 1, 1],
+            smem=red_bytes + stage_bytes + 64,
+            stream=stream,
+            use_pdl=self.use_pdl,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        shared_w_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        shared_down_ptr: cute.Pointer,
+        y_ptr: cute.Pointer,
+        sync_ptr: cute.Pointer,
+        m: Int32,
+    ):
+        tab = self.table
+        tile, slot_lane, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % WARP_THREADS
+        smem = cutlass.utils.SmemAllocator()
+        red = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((self.warps, WARP_THREADS, 4 * self.halves)),
+            16,
+        )
+        staged = smem.allocate_tensor(
+            BFloat16,
+            cute.make_layout(
+                (ROWS_PER_TILE, self.down_k_chunks, CHUNK),
+                stride=(self.row_pitch, CHUNK, 1),
+            ),
+            16,
+        )
+        ready = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+        table = cute.make_tensor(table_ptr, cute.make_layout((tab.size,)))
+        sync = cute.make_tensor(
+            sync_ptr, cute.make_layout((early_sync_words(self.hidden),))
+        )
+        if slot_lane == 0:
+            # The shared down's weights never depend on the router: stage them
+            # now, beside the shared gate_up's first weight batch.
+            if tile < self.down_tiles:
+                self._stage_down_rows(staged, shared_down_ptr, tile, tidx)
+            cute.arch.cp_async_commit_group()
+            self._unit(
+                Int32(0), tile, x_ptr, w_ptr, shared_w_ptr, table, out_ptr, red, m,
+                self.use_pdl,
+            )  # fmt: skip
+            # Warp 0 stored this tile's h columns: publish them (release).
+            if warp == 0:
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.atomic_add(
+                        sync.iterator + EARLY_H_TILES_DONE, Int32(1), sem="acq_rel",
+                        scope="gpu",
+                    )  # fmt: skip
+        if const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_wait()
+            # Only now: ``down`` reads the routing table before its wait.
+            cute.arch.griddepcontrol_launch_dependents()
+        first = slot_lane
+        if slot_lane == 0:
+            self._early_shared_down(
+                staged, ready, red, sync, shared_down_ptr, out_ptr, y_ptr, tile, m,
+                tidx, warp, lane,
+            )  # fmt: skip
+            first = Int32(self.slot_lanes)
+        for unit in cutlass.range(first, table[tab.count] + 1, self.slot_lanes):
+            self._unit(
+                unit, tile, x_ptr, w_ptr, shared_w_ptr, table, out_ptr, red, m, False
+            )
+
+    @cute.jit
+    def _stage_down_rows(self, staged, shared_down_ptr, down_tile, tidx):
+        """cp.async the shared down's 16 weight rows of ``down_tile`` into
+        ``staged`` (every thread its ``stage_rounds`` 16-byte chunks)."""
+        k_chunks = self.down_k_chunks
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=CHUNK * 16
+        )
+        rows = cute.make_tensor(
+            shared_down_ptr,
+            cute.make_layout(
+                (self.hidden, k_chunks, CHUNK), stride=(self.inter, CHUNK, 1)
+            ),
+        )
+        for i in cutlass.range_constexpr(self.stage_rounds):
+            index = tidx + i * self.threads
+            r = index // k_chunks
+            c = index % k_chunks
+            cute.copy(
+                atom, rows[down_tile * ROWS_PER_TILE + r, c, None], staged[r, c, None]
+            )
+
+    @cute.jit
+    def _early_shared_down(
+        self, staged, ready, red, sync, shared_down_ptr, h_ptr, y_ptr, tile, m,
+        tidx, warp, lane,
+    ):  # fmt: skip
+        """Wait for every tile of the shared h (thread 0 polls the count), then
+        compute this CTA's down tiles from shared memory and mark them done; a
+        CTA that stops polling leaves its tiles to the down launch."""
+        if tidx == 0:
+            count = sync.iterator + EARLY_H_TILES_DONE
+            seen = cute.arch.load(count, Int32, sem="acquire", scope="gpu")
+            polls = Int32(0)
+            in_time = Int32(cutlass.select_(polls < self.max_polls, 1, 0))
+            waiting = Int32(cutlass.select_(seen < self.tiles, in_time, Int32(0)))
+            while waiting == 1:
+                nvvm.nanosleep(Int32(EARLY_POLL_NS).ir_value())
+                seen = cute.arch.load(count, Int32, sem="acquire", scope="gpu")
+                polls = polls + 1
+                # One condition per select: run-time `and` does not lower.
+                in_time = Int32(cutlass.select_(polls < self.max_polls, 1, 0))
+                waiting = Int32(cutlass.select_(seen < self.tiles, in_time, Int32(0)))
+            ready[0] = Int32(cutlass.select_(seen < self.tiles, 0, 1))
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        if ready[0] == 1:
+            # Every CTA's h columns were released before its count: acquire.
+            cute.arch.fence_acq_rel_gpu()
+            for down_tile in cutlass.range(tile, self.down_tiles, self.tiles, unroll=1):
+                if down_tile != tile:
+                    # The previous tile's MMAs read ``staged`` before the
+                    # barrier that ends ``reduce_warps``.
+                    self._stage_down_rows(staged, shared_down_ptr, down_tile, tidx)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.sync_threads()
+                self._shared_down_tile(
+                    staged, red, h_ptr, y_ptr, down_tile, m, warp, lane
+                )
+                if tidx == 0:
+                    sync[EARLY_DOWN_DONE + down_tile] = Int32(1)
+
+    @cute.jit
+    def _shared_down_tile(self, staged, red, h_ptr, y_ptr, down_tile, m, warp, lane):
+        """The shared expert's ``y`` rows of ``down_tile``: the down launch's
+        shared unit (row 0 onwards, ``m`` tokens) with the weights from
+        ``staged``."""
+        quad_row = lane // LANES_PER_QUAD
+        quad_lane = lane % LANES_PER_QUAD
+        h_chunks = cute.make_tensor(
+            h_ptr,
+            cute.make_layout(
+                (self.table.max_rows, self.down_k_chunks, CHUNK),
+                stride=(self.inter, CHUNK, 1),
+            ),
+        )
+        x_rows = [cutlass.min(quad_row, m - 1)]
+        acc = new_accumulators(1)
+        self.down_mma.accumulate(
+            acc, staged, quad_row, quad_row + TOKENS_PER_MMA, h_chunks, x_rows,
+            warp * self.down_mma.steps, quad_lane, False,
+        )  # fmt: skip
+        total = cute.make_rmem_tensor((4,), Float32)
+        self.down_mma.reduce_warps(acc, total, red, warp, lane, self.down_warps)
+        if warp == 0:
+            y = cute.make_tensor(
+                y_ptr,
+                cute.make_layout(
+                    (self.table.max_rows, self.hidden), stride=(self.hidden, 1)
+                ),
+            )
+            for v in cutlass.range_constexpr(4):
+                token = 2 * quad_lane + (v % 2)
+                row = down_tile * ROWS_PER_TILE + quad_row + TOKENS_PER_MMA * (v // 2)
+                if token < m:
+                    y[token, row] = total[v]
+
+
+class MoeDownAfterEarlySharedKernel(MoeExpertKernel):
+    """``down`` (launch 3) after ``MoeGateUpEarlySharedDownKernel``: the
+    shared expert's tiles that ``gate_up`` marked done are skipped (no weight
+    load), any other is computed here after the wait; the flags and the
+    count are re-armed for the next launch."""
+
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        m_bucket: int,
+        slot_lanes: int,
+        warps: int,
+        use_pdl: bool = True,
+        weight_l2_policy: str | None = None,
+        prewait_steps: int | None = None,
+    ):
+        super().__init__(
+            STAGE_DOWN, hidden, inter, num_experts, top_k, m_bucket, slot_lanes,
+            warps, use_pdl, weight_l2_policy, prewait_steps,
+        )  # fmt: skip
+        if self.halves != 1:
+            raise ValueError(
+                f"the early shared down is for M-buckets of up to {TOKENS_PER_MMA} "
+                f"tokens, got {m_bucket}"
+            )
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        shared_w_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        sync_ptr: cute.Pointer,
+        m: Int32,
+        stream: cuda.CUstream,
+    ):
+        red_bytes = self.warps * WARP_THREADS * 4 * self.halves * 4
+        self.kernel(x_ptr, w_ptr, shared_w_ptr, table_ptr, out_ptr, sync_ptr, m).launch(
+            grid=[self.tiles, self.slot_lanes, 1],
+            block=[self.threads, 1, 1],
+            smem=red_bytes + 64,
+            stream=stream,
+            use_pdl=self.use_pdl,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        shared_w_ptr: cute.Pointer,
+        table_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        sync_ptr: cute.Pointer,
+        m: Int32,
+    ):
+        tab = self.table
+        tile, slot_lane, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.utils.SmemAllocator()
+        red = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((self.warps, WARP_THREADS, 4 * self.halves)),
+            16,
+        )
+        table = cute.make_tensor(table_ptr, cute.make_layout((tab.size,)))
+        sync = cute.make_tensor(
+            sync_ptr, cute.make_layout((early_sync_words(self.hidden),))
+        )
+        if const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        if slot_lane == 0:
+            # gate_up wrote the flag before its grid completed: after the wait.
+            if const_expr(self.use_pdl):
+                cute.arch.griddepcontrol_wait()
+            done = cute.arch.load(
+                sync.iterator + EARLY_DOWN_DONE + tile, Int32, sem="relaxed",
+                scope="gpu",
+            )  # fmt: skip
+            cute.arch.sync_threads()
+            if tidx == 0:
+                sync[EARLY_DOWN_DONE + tile] = Int32(0)
+                if tile == 0:
+                    # Every gate_up CTA stopped polling when its grid completed.
+                    sync[EARLY_H_TILES_DONE] = Int32(0)
+            if done == 0:
+                self._unit(
+                    Int32(0), tile, x_ptr, w_ptr, shared_w_ptr, table, out_ptr, red,
+                    m, False,
+                )  # fmt: skip
+            for unit in cutlass.range(
+                self.slot_lanes, table[tab.count] + 1, self.slot_lanes
+            ):
+                self._unit(
+                    unit, tile, x_ptr, w_ptr, shared_w_ptr, table, out_ptr, red, m,
+                    False,
+                )  # fmt: skip
+        else:
+            # The router finished before ``gate_up`` let this grid launch.
+            for unit in cutlass.range(slot_lane, table[tab.count] + 1, self.slot_lanes):
+                self._unit(
+                    unit, tile, x_ptr, w_ptr, shared_w_ptr, table, out_ptr, red, m,
+                    self.use_pdl,
+                )  # fmt: skip
 
 
 class MoeCombineKernel:

@@ -29,12 +29,17 @@ from ..common.host import current_stream, gmem_ptr
 from ..common.l2_policy import l2_policy_value
 from ..common.skinny_mma import CHUNK, LANES_PER_QUAD, MAX_TOKENS, ceil_div
 from .kernel import (
+    EARLY_MAX_POLLS,
     STAGE_DOWN,
     STAGE_GATE_UP,
     MoeCombineKernel,
+    MoeDownAfterEarlySharedKernel,
     MoeExpertKernel,
+    MoeGateUpEarlySharedDownKernel,
     MoeRouterKernel,
     RoutingTable,
+    early_sync_words,
+    halves_for,
     uses_cluster_logits,
 )
 
@@ -97,6 +102,18 @@ class MoeConfig:
     # before the PDL wait in the engine").
     gate_up_prewait_steps: int | None = None
     down_prewait_steps: int | None = None
+    # The largest M-bucket whose gate_up launch also runs the shared expert's
+    # down (``MoeGateUpEarlySharedDownKernel``: its weights load before the PDL
+    # wait, while the router runs; the down launch streams the routed experts
+    # only); 0: none. Buckets of up to 8 tokens only. ``early_shared_down_polls``:
+    # the polls of the shared h's tile count after which a CTA leaves its tiles
+    # to the down launch (tests take 0 to run that path).
+    early_shared_down_max_bucket: int = 0
+    early_shared_down_polls: int = EARLY_MAX_POLLS
+
+    def early_shared_down(self, bucket: int) -> bool:
+        """Whether M-bucket ``bucket``'s gate_up runs the shared expert's down."""
+        return bucket <= self.early_shared_down_max_bucket and halves_for(bucket) == 1
 
     @property
     def down_stage_warps(self) -> int:
@@ -330,9 +347,12 @@ class PreparedMoe:
         self.route_weights = torch.zeros(MAX_TOKENS * top_k, dtype=f32, device=dev)
         self.h = torch.empty(table.max_rows, inter, dtype=bf16, device=dev)
         self.y = torch.empty(table.max_rows, hidden, dtype=f32, device=dev)
+        # The early shared down's count and per-tile flags (re-armed by down).
+        self.early_sync = torch.zeros(early_sync_words(hidden), dtype=i32, device=dev)
         buffers = (
             self.partials, self.logits, self.counters, self.table,
             self.route_weights, self.h, self.y, self.bias, self.input_sums,
+            self.early_sync,
         )  # fmt: skip
         self.workspace_bytes = sum(b.numel() * b.element_size() for b in buffers)
         # No weight is copied or repacked.
@@ -358,6 +378,27 @@ class PreparedMoe:
         lanes = slot_lanes_for(bucket, s, self.config.max_slot_lanes)
         gate_up_warps, down_warps = self.config.expert_warps(bucket)
         fused = self.gamma is not None
+        policy = self._expert_l2_policy(bucket)
+        if self.config.early_shared_down(bucket):
+            gate_up = MoeGateUpEarlySharedDownKernel(
+                s.hidden, s.inter, s.num_experts, s.top_k, bucket, lanes,
+                gate_up_warps, down_warps, self.use_pdl, policy,
+                self.config.gate_up_prewait_steps, self.config.early_shared_down_polls,
+            )  # fmt: skip
+            down = MoeDownAfterEarlySharedKernel(
+                s.hidden, s.inter, s.num_experts, s.top_k, bucket, lanes, down_warps,
+                self.use_pdl, policy, self.config.down_prewait_steps,
+            )  # fmt: skip
+        else:
+            gate_up = MoeExpertKernel(
+                STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
+                lanes, gate_up_warps, self.use_pdl, policy,
+                self.config.gate_up_prewait_steps,
+            )  # fmt: skip
+            down = MoeExpertKernel(
+                STAGE_DOWN, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
+                lanes, down_warps, self.use_pdl, policy, self.config.down_prewait_steps,
+            )  # fmt: skip
         return (
             MoeRouterKernel(
                 s.hidden, s.num_experts, s.top_k, bucket, self.split_k,
@@ -365,16 +406,8 @@ class PreparedMoe:
                 self.use_pdl, self.input_gamma is not None, self.input_eps,
                 self._router_cluster_bucket(bucket), self.config.router_warp_table,
             ),
-            MoeExpertKernel(
-                STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
-                lanes, gate_up_warps, self.use_pdl, self._expert_l2_policy(bucket),
-                self.config.gate_up_prewait_steps,
-            ),
-            MoeExpertKernel(
-                STAGE_DOWN, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
-                lanes, down_warps, self.use_pdl, self._expert_l2_policy(bucket),
-                self.config.down_prewait_steps,
-            ),
+            gate_up,
+            down,
             MoeCombineKernel(
                 s.hidden, s.num_experts, s.top_k, bucket, fused, self.eps,
                 self.use_pdl,
@@ -402,6 +435,13 @@ class PreparedMoe:
                 tab, wts = _ptr(self.table, i32), _ptr(self.route_weights, f32)
                 y = _ptr(self.y, f32)
                 m, stream = cutlass.Int32(1), cuda.CUstream(0)
+                if self.config.early_shared_down(bucket):
+                    sync = _ptr(self.early_sync, i32)
+                    gate_up_args = (x, w13, w13, tab, x, w2, y, sync, m, stream)
+                    down_args = (x, w2, w2, tab, y, sync, m, stream)
+                else:
+                    gate_up_args = (x, w13, w13, tab, x, m, stream)
+                    down_args = (x, w2, w2, tab, y, m, stream)
                 start = time.perf_counter()
                 _COMPILED[key] = (
                     compile_kernel(
@@ -410,12 +450,8 @@ class PreparedMoe:
                         _ptr(self.logits, f32), _ptr(self.counters, i32), tab,
                         wts, _ptr(self.input_sums, f32), x, x, m, stream,
                     ),
-                    compile_kernel(
-                        "moe_gate_up", key, gate_up, x, w13, w13, tab, x, m, stream
-                    ),
-                    compile_kernel(
-                        "moe_down", key, down, x, w2, w2, tab, y, m, stream
-                    ),
+                    compile_kernel("moe_gate_up", key, gate_up, *gate_up_args),
+                    compile_kernel("moe_down", key, down, *down_args),
                     compile_kernel(
                         "moe_combine", key, combine, y, tab, wts, x, x, x, x, m,
                         stream,
@@ -504,10 +540,17 @@ class PreparedMoe:
             _ptr(self.counters, i32), tab, wts, *input_norm, m, stream,
         )  # fmt: skip
         out_ptr = _ptr(out, bf)
+        if self.config.early_shared_down(bucket):
+            sync = _ptr(self.early_sync, i32)
+            gate_up_args = (x_ptr, w13, shared_gate_up, tab, h, shared_down, y, sync)
+            down_args = (h, w2, shared_down, tab, y, sync)
+        else:
+            gate_up_args = (x_ptr, w13, shared_gate_up, tab, h)
+            down_args = (h, w2, shared_down, tab, y)
         return (
             lambda: router(*router_args),
-            lambda: gate_up(x_ptr, w13, shared_gate_up, tab, h, m, stream),
-            lambda: down(h, w2, shared_down, tab, y, m, stream),
+            lambda: gate_up(*gate_up_args, m, stream),
+            lambda: down(*down_args, m, stream),
             lambda: combine(y, tab, wts, res, res_out, gamma, out_ptr, m, stream),
         )
 

@@ -34,11 +34,13 @@ if torch.cuda.get_device_capability() != (9, 0):
 
 from moe_reference import moe_reference, router_logits, select_experts  # noqa: E402
 
+from kernels.moe.kernel import MoeGateUpEarlySharedDownKernel  # noqa: E402
 from kernels.moe.prepared import (  # noqa: E402
     M_BUCKETS,
     ROUTER_CLUSTER_MAX_BUCKET,
     MoeConfig,
     PreparedMoe,
+    m_bucket_for,
 )
 
 pytestmark = pytest.mark.gpu
@@ -670,3 +672,91 @@ def test_default_router_cluster_stops_at_its_measured_buckets(experts):
         gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
         experts["shared_down"], TOP_K, SCALE, router_cluster=False,
     ).router_cluster_for(1)  # fmt: skip
+
+
+@pytest.mark.parametrize("polls", [None, 0], ids=["polled", "left_to_down"])
+@pytest.mark.parametrize("regime", ["dummy", "balanced"])
+def test_early_shared_down_is_bit_identical(experts, regime, polls):
+    """gate_up's shared-expert CTAs running the shared down (weights staged
+    before the wait, the down launch's K split) give the executor's table,
+    route weights, expert rows and output bit for bit, at every M-bucket it
+    covers, with the input norm and the fused residual + RMSNorm as the decode
+    runs them. ``polls`` 0: a CTA that finds the shared h incomplete at its first
+    look leaves its tiles to the down launch, so both paths run in one launch.
+    Three launches in a row: the flags and the count re-arm."""
+    base = {"warps": 8, "down_warps": 4, "warps_max_bucket": 1, "down_prewait_steps": 6}
+    early = {"early_shared_down_max_bucket": 8}
+    if polls is not None:
+        early["early_shared_down_polls"] = polls
+    for m in (1, 2, 3, 4, 8):
+        x, gate, bias, residual = _bit_identity_case(regime, m, 2000)
+        results = []
+        for config in (MoeConfig(**base), MoeConfig(**base, **early)):
+            moe = PreparedMoe(
+                gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+                experts["shared_down"], TOP_K, SCALE, rmsnorm_weight=experts["gamma"],
+                eps=EPS, config=config, input_norm_weight=experts["input_gamma"],
+                input_eps=EPS, expert_weight_l2_policy="evict_first",
+                expert_weight_l2_policy_max_bucket=4,
+            )  # fmt: skip
+            _, gate_up, _, _ = moe._kernels(m_bucket_for(m))
+            early_kernel = isinstance(gate_up, MoeGateUpEarlySharedDownKernel)
+            assert early_kernel == (config.early_shared_down_max_bucket > 0), m
+            runs = []
+            for _ in range(3):
+                moe.input_sums[:m] = residual.float().pow(2).sum(dim=-1)
+                moe.y.fill_(float("nan"))
+                x_out = torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+                out = torch.full_like(x_out, float("nan"))
+                residual_out = torch.full_like(x_out, float("nan"))
+                moe.run(x_out, out, residual, residual_out)
+                torch.cuda.synchronize()
+                runs.append(
+                    {
+                        "table": moe.table.clone(),
+                        "route_weights": moe.route_weights[: m * TOP_K].clone(),
+                        "x": x_out,
+                        # The shared expert's rows of y (row 0 onwards).
+                        "shared_y": moe.y[:m].clone(),
+                        "out": out,
+                        "residual_out": residual_out,
+                    }
+                )
+            assert not moe.early_sync.any(), "the flags and the count are re-armed"
+            results.append(runs)
+        for run in range(3):
+            for what, want in results[0][run].items():
+                _bits_equal(results[1][run][what], want, f"{regime} M={m} run {run} {what}")
+
+
+def test_early_shared_down_graph_replays_are_bit_identical(experts):
+    """The executor's graph of one token with the early shared down: 300 replays
+    give the eager run's output bit for bit (the flags and the count re-arm
+    inside the graph)."""
+    m = 1
+    x, gate, bias, residual = _bit_identity_case("dummy", m, 2100)
+    config = MoeConfig(
+        warps=8, down_warps=4, warps_max_bucket=1, down_prewait_steps=6,
+        early_shared_down_max_bucket=1,
+    )  # fmt: skip
+    moe = PreparedMoe(
+        gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+        experts["shared_down"], TOP_K, SCALE, rmsnorm_weight=experts["gamma"], eps=EPS,
+        config=config,
+    )  # fmt: skip
+    out = torch.empty(m, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    residual_out = torch.empty_like(out)
+    moe.run(x, out, residual, residual_out)  # compile + warm up outside the graph
+    torch.cuda.synchronize()
+    first_out, first_res = out.clone(), residual_out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.run(x, out, residual, residual_out)
+    for i in range(300):
+        out.zero_()
+        residual_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        _bits_equal(out, first_out, f"replay {i}: out")
+        _bits_equal(residual_out, first_res, f"replay {i}: residual_out")
+    assert not moe.early_sync.any(), "the flags and the count are re-armed"

@@ -26,7 +26,9 @@ from kernels.moe.kernel import (  # noqa: E402
     MAX_CLUSTER_TILES,
     MAX_PORTABLE_CLUSTER,
     MoeCombineKernel,
+    MoeDownAfterEarlySharedKernel,
     MoeExpertKernel,
+    MoeGateUpEarlySharedDownKernel,
     MoeRouterKernel,
     uses_cluster_logits,
     uses_warp_table,
@@ -336,3 +338,63 @@ def test_more_prewait_steps_than_a_warp_has_load_them_all_before_the_wait(tmp_pa
     assert ptx[6] == ptx[None]
     before, wait, _ = ptx[6].partition("griddepcontrol.wait;")
     assert wait and len(re.findall(r"ld\.global\S*\.v4", before)) == 8
+
+
+def _early_shared_down(stage, bucket=1):
+    """The early shared down's pair at an M-bucket as the executor would take it
+    (gate_up 8 warps and down 4 at bucket 1 with evict_first loads, else 4 + 4)."""
+    lanes = slot_lanes_for(bucket, SHAPE)
+    gate_up_warps, policy = (8, "evict_first") if bucket == 1 else (4, None)
+    if stage == "gate_up":
+        kern = MoeGateUpEarlySharedDownKernel(
+            HIDDEN, INTER, EXPERTS, TOP_K, bucket, lanes, gate_up_warps, 4, True, policy
+        )
+        return cute.compile(kern, BF16, BF16, BF16, I32, BF16, BF16, F32, I32, M, STREAM)
+    kern = MoeDownAfterEarlySharedKernel(
+        HIDDEN, INTER, EXPERTS, TOP_K, bucket, lanes, 4, True, policy, 6
+    )
+    return cute.compile(kern, BF16, BF16, BF16, I32, F32, I32, M, STREAM)
+
+
+@pytest.mark.parametrize("stage", ["gate_up", "down"])
+@pytest.mark.parametrize("bucket", [1, 2, 8])
+def test_early_shared_down_compiles(stage, bucket):
+    assert _early_shared_down(stage, bucket)
+
+
+def test_early_shared_down_is_for_one_mma_column_and_the_down_warps_within():
+    lanes = slot_lanes_for(16, SHAPE)
+    with pytest.raises(ValueError, match="up to 8 tokens"):
+        MoeGateUpEarlySharedDownKernel(HIDDEN, INTER, EXPERTS, TOP_K, 16, lanes, 4, 4)
+    with pytest.raises(ValueError, match="up to 8 tokens"):
+        MoeDownAfterEarlySharedKernel(HIDDEN, INTER, EXPERTS, TOP_K, 16, lanes, 4)
+    with pytest.raises(ValueError, match="among gate_up's"):
+        MoeGateUpEarlySharedDownKernel(HIDDEN, INTER, EXPERTS, TOP_K, 1, lanes, 4, 8)
+
+
+def test_early_shared_down_stages_its_weights_before_the_wait_and_polls_after(tmp_path):
+    """gate_up: the shared down's 16 rows go to shared memory by cp.async before
+    the PDL wait (8 of 16 bytes per thread at 8 warps, beside the shared gate_up's
+    first batch); after the shared unit one release-acquire count per CTA, then
+    the acquire polls; no local memory."""
+    ptx = compiled_ptx(tmp_path, "test_moe_compile", "_early_shared_down('gate_up')")
+    before, wait, after = ptx.partition("griddepcontrol.wait;")
+    assert wait
+    assert _count(before, "cp.async.ca.shared.global") == 8
+    assert len(re.findall(r"ld\.global\S*\.v4", before)) == 16  # the shared gate_up's
+    published, count, polls = after.partition("atom.global.acq_rel.add.u32")
+    assert count and "fence.acq_rel.gpu;" in published
+    assert _count(polls, "ld.acquire.gpu.global.b32") == 2  # the first read, the loop's
+    assert "nanosleep.u32" in polls
+    assert "ld.shared.v4" in polls  # the staged weights
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_down_after_the_early_shared_down_reads_the_tiles_flag_after_the_wait(tmp_path):
+    """down: lane 0 reads its tile's flag after the wait (GPU scope, so not a
+    stale line) and computes the shared tile only where gate_up left it."""
+    ptx = compiled_ptx(tmp_path, "test_moe_compile", "_early_shared_down('down')")
+    assert _count(ptx, "griddepcontrol.launch_dependents;") == 1
+    before, wait, after = ptx.partition("griddepcontrol.wait;")
+    assert wait and "ld.relaxed.gpu.global.b32" in after  # the tile's flag
+    assert "ld.local" not in ptx and "st.local" not in ptx

@@ -1208,6 +1208,32 @@ def test_the_kernel_factory_hands_the_moe_prewait_to_the_moe(monkeypatch, moe_pr
     assert (config.gate_up_prewait_steps, config.down_prewait_steps) == (None, 6)
 
 
+@pytest.mark.parametrize(
+    ("environ", "bucket"),
+    [({}, 0), ({"VLLM_HD_MOE_EARLY_SHARED_DOWN": ""}, 0),
+     ({"VLLM_HD_MOE_EARLY_SHARED_DOWN": "0"}, 0), ({"VLLM_HD_MOE_EARLY_SHARED_DOWN": "1"}, 1),
+     ({"VLLM_HD_MOE_EARLY_SHARED_DOWN": "8"}, 8)],
+)  # fmt: skip
+def test_the_moe_early_shared_down_switch(environ, bucket):
+    assert decode.moe_early_shared_down_from_env(environ) == bucket
+
+
+@pytest.mark.parametrize("value", ["16", "3", "yes", " 1", "01"])
+def test_other_moe_early_shared_down_values_fail_at_start_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VLLM_HD_MOE_EARLY_SHARED_DOWN", value)
+    with pytest.raises(ValueError, match=f"VLLM_HD_MOE_EARLY_SHARED_DOWN={value!r}"):
+        decode.KernelFactory()
+
+
+def test_the_kernel_factory_hands_the_early_shared_down_to_the_moe(monkeypatch, moe_prepared):
+    monkeypatch.setenv("VLLM_HD_MOE_EARLY_SHARED_DOWN", "1")
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert config.early_shared_down_max_bucket == 1
+    monkeypatch.delenv("VLLM_HD_MOE_EARLY_SHARED_DOWN")
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert config.early_shared_down_max_bucket == 0
+
+
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):
     monkeypatch.setenv("VLLM_HD_EXPERT_L2_POLICY", "evict_normal")
     with pytest.raises(ValueError, match="VLLM_HD_EXPERT_L2_POLICY='evict_normal'"):

@@ -244,6 +244,30 @@ def moe_prewait_from_env(
     )
 
 
+# The largest M-bucket whose MoE gate_up launch also runs the shared expert's
+# down (its weights staged before the PDL wait, while the router runs; the down
+# launch then streams the routed experts only), for A/Bs: "0" (or unset / empty)
+# none, else 1, 2, 4 or 8. Outputs are bit-identical (tests/kernels/test_moe.py).
+MOE_EARLY_SHARED_DOWN_ENV = "VLLM_HD_MOE_EARLY_SHARED_DOWN"
+MOE_EARLY_SHARED_DOWN_BUCKETS = (0, 1, 2, 4, 8)
+
+
+def moe_early_shared_down_from_env(environ: dict[str, str] | None = None) -> int:
+    """The largest M-bucket of the early shared down (0: none) as
+    ``MOE_EARLY_SHARED_DOWN_ENV`` asks; raises, naming the variable, on another
+    value."""
+    value = (os.environ if environ is None else environ).get(MOE_EARLY_SHARED_DOWN_ENV)
+    if not value:
+        return 0
+    if value not in {str(b) for b in MOE_EARLY_SHARED_DOWN_BUCKETS}:
+        raise ValueError(
+            f"{MOE_EARLY_SHARED_DOWN_ENV}={value!r}: expected one of "
+            f"{', '.join(map(str, MOE_EARLY_SHARED_DOWN_BUCKETS))}, the largest "
+            "M-bucket whose gate_up runs the shared expert's down (or unset)"
+        )
+    return int(value)
+
+
 # The compiled CuTe DSL kernels kept on disk between engine starts
 # (cutedsl/common/compile_cache.py): "1" under vLLM's cache root, an absolute path
 # in that directory; unset or "0" off (until an engine has run the cached kernels).
@@ -296,6 +320,7 @@ def check_environment() -> None:
     moe_expert_warps_from_env()
     gemm_prewait_from_env()
     moe_prewait_from_env()
+    moe_early_shared_down_from_env()
     kernel_cache_dir_from_env()
 
 
@@ -332,6 +357,14 @@ class KernelFactory:
         # names these when the switch asks for a shape that is not among them.
         self.gemm_shapes: set[tuple[int, int]] = set()
         self.moe_prewait = moe_prewait_from_env()
+        self.moe_early_shared_down = moe_early_shared_down_from_env()
+        if self.moe_early_shared_down:
+            logger.info(
+                "Kimi-Linear specialized decode: the MoE gate_up launch runs the "
+                "shared expert's down at M-buckets <= %d (%s)",
+                self.moe_early_shared_down,
+                MOE_EARLY_SHARED_DOWN_ENV,
+            )
         self.kernel_cache = kernel_cache_dir_from_env()
         if self.kernel_cache is not None:
             from ..cutedsl.common import compile_cache
@@ -501,6 +534,7 @@ class KernelFactory:
                 warps_max_bucket=warps_max_bucket,
                 gate_up_prewait_steps=self.moe_prewait[0],
                 down_prewait_steps=self.moe_prewait[1],
+                early_shared_down_max_bucket=self.moe_early_shared_down,
             ),
             router_cluster=self.clusters,
             expert_weight_l2_policy=self.expert_l2_policy[0],
