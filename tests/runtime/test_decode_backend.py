@@ -221,6 +221,7 @@ def test_each_reason_alone(
         ("VLLM_HD_GEMM_PREWAIT", "12576x2304"),
         ("VLLM_HD_MOE_PREWAIT", "x"),
         ("VLLM_HD_MOE_EARLY_SHARED_DOWN", "16"),
+        ("VLLM_HD_FUSED_EMBED_NORM", "2"),
         ("VLLM_HD_KERNEL_CACHE", "relative/dir"),
     ],
 )

@@ -344,6 +344,18 @@ class FakeKernels(decode.KernelFactory):
     def embedding(self, out, weight, ids):
         self.log.append(("embedding", None, (out, weight, ids), {}))
 
+    def embed_norm(self, embed_weight, norm_weight, eps):
+        log = self.log
+
+        class FakeEmbedNorm:
+            def run(self, ids, residual, x):
+                assert ids.dtype == torch.int32 and ids.shape[0] == x.shape[0]
+                assert residual.shape == x.shape == (ids.shape[0], embed_weight.shape[1])
+                log.append(("embed_norm", None, (ids, residual, x), {}))
+
+        assert norm_weight.shape == (embed_weight.shape[1],)
+        return FakeEmbedNorm()
+
     def conv_layout(self):
         return decode.CONV_LAYOUT_SD
 
@@ -1301,3 +1313,29 @@ def test_an_unusable_kernel_cache_directory_fails_at_start(monkeypatch, tmp_path
     with pytest.raises(ValueError, match="VLLM_HD_KERNEL_CACHE: kernel cache directory"):
         decode.KernelFactory()
     assert compile_cache.cache_directory() is None
+
+
+def test_the_fused_embed_norm_switch_replaces_the_first_two_launches(monkeypatch):
+    monkeypatch.setenv("VLLM_HD_FUSED_EMBED_NORM", "1")
+    _, executor, kernels = build()
+    ops = [step.op for step in executor.plan]
+    assert ops[:2] == ["kda_state_slots", "embed_norm"]
+    assert "embedding" not in ops and "input_norm" not in ops
+    assert executor.plan[1].writes == ("residual0", "x0")
+    kernels.log.clear()
+    for step in executor.plan[1:2]:
+        step.launch(decode.StepContext(2, None, torch.zeros(2, dtype=torch.int64)))
+        step.launch(decode.StepContext(2, None, torch.tensor([5, 7], dtype=torch.int32)))
+    (_, _, (warm_ids, _, _), _), (_, _, (ids, _, _), _) = kernels.log
+    assert warm_ids.dtype == torch.int32 and warm_ids.tolist() == [0, 0]
+    assert ids.tolist() == [5, 7]
+    monkeypatch.setenv("VLLM_HD_FUSED_EMBED_NORM", "0")
+    _, executor, _ = build()
+    assert [step.op for step in executor.plan][1:3] == ["embedding", "input_norm"]
+
+
+@pytest.mark.parametrize("value", ["2", "yes", "true", " 1"])
+def test_other_fused_embed_norm_values_fail_at_start_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VLLM_HD_FUSED_EMBED_NORM", value)
+    with pytest.raises(ValueError, match=f"VLLM_HD_FUSED_EMBED_NORM={value!r}"):
+        decode.KernelFactory()

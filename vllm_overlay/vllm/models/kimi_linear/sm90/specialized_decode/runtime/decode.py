@@ -268,6 +268,26 @@ def moe_early_shared_down_from_env(environ: dict[str, str] | None = None) -> int
     return int(value)
 
 
+# The step's first launch, for A/Bs: "1" fuses the embedding lookup and the first
+# input RMSNorm into one PDL launch (cutedsl/embed_norm), so the first in_proj
+# loads its pre-wait weights while the rows are gathered; "0" (or unset / empty)
+# keeps torch's index_select and vLLM's rms_norm, two launches without PDL.
+FUSED_EMBED_NORM_ENV = "VLLM_HD_FUSED_EMBED_NORM"
+
+
+def fused_embed_norm_from_env(environ: dict[str, str] | None = None) -> bool:
+    """Whether ``FUSED_EMBED_NORM_ENV`` asks for the fused first launch; raises,
+    naming the variable, on another value than 0 / 1."""
+    value = (os.environ if environ is None else environ).get(FUSED_EMBED_NORM_ENV)
+    if not value or value == "0":
+        return False
+    if value != "1":
+        raise ValueError(
+            f"{FUSED_EMBED_NORM_ENV}={value!r}: expected 0 or 1 (or unset)"
+        )
+    return True
+
+
 # The compiled CuTe DSL kernels kept on disk between engine starts
 # (cutedsl/common/compile_cache.py): "1" under vLLM's cache root, an absolute path
 # in that directory; unset or "0" off (until an engine has run the cached kernels).
@@ -321,6 +341,7 @@ def check_environment() -> None:
     gemm_prewait_from_env()
     moe_prewait_from_env()
     moe_early_shared_down_from_env()
+    fused_embed_norm_from_env()
     kernel_cache_dir_from_env()
 
 
@@ -358,6 +379,13 @@ class KernelFactory:
         self.gemm_shapes: set[tuple[int, int]] = set()
         self.moe_prewait = moe_prewait_from_env()
         self.moe_early_shared_down = moe_early_shared_down_from_env()
+        self.fused_embed_norm = fused_embed_norm_from_env()
+        if self.fused_embed_norm:
+            logger.info(
+                "Kimi-Linear specialized decode: the embedding and the first input "
+                "norm run as one launch (%s)",
+                FUSED_EMBED_NORM_ENV,
+            )
         if self.moe_early_shared_down:
             logger.info(
                 "Kimi-Linear specialized decode: the MoE gate_up launch runs the "
@@ -585,6 +613,13 @@ class KernelFactory:
         self, out: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor
     ) -> None:
         torch.index_select(weight, 0, ids, out=out)
+
+    def embed_norm(
+        self, embed_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float
+    ) -> Any:
+        from ..cutedsl.embed_norm.prepared import PreparedEmbedNorm
+
+        return PreparedEmbedNorm(embed_weight, norm_weight, eps)
 
     def conv_layout(self) -> str:
         from vllm.model_executor.layers.mamba.mamba_utils import (
@@ -1147,8 +1182,26 @@ class KimiLinearDecodeExecutor:
             )
 
         self._step(-1, "kda_state_slots", (), ("kda_slots",), self._gather_kda_slots)
-        self._step(-1, "embedding", ("input_ids",), ("residual0",), embed_launch)
-        self._step(-1, "input_norm", ("residual0",), ("x0",), first_norm_launch)
+        if self.kernels.fused_embed_norm:
+            fused = self.kernels.embed_norm(embed, norm.weight, norm.eps)
+
+            def embed_norm_launch(ctx: StepContext) -> None:
+                ids = ctx.input_ids[: ctx.batch]
+                if ids.dtype != torch.int32:
+                    # The warm-up's int64 padding ids; vLLM's input_ids are int32.
+                    ids = self._padding_slots[: ctx.batch]
+                fused.run(
+                    ids,
+                    bufs.rows("residual0", ctx.batch),
+                    bufs.rows("x0", ctx.batch),
+                )
+
+            self._step(
+                -1, "embed_norm", ("input_ids",), ("residual0", "x0"), embed_norm_launch
+            )
+        else:
+            self._step(-1, "embedding", ("input_ids",), ("residual0",), embed_launch)
+            self._step(-1, "input_norm", ("residual0",), ("x0",), first_norm_launch)
 
         for layer in self.layers:
             if isinstance(layer.attn, KdaLayer):
