@@ -102,18 +102,23 @@ class MoeConfig:
     # before the PDL wait in the engine").
     gate_up_prewait_steps: int | None = None
     down_prewait_steps: int | None = None
-    # The largest M-bucket whose gate_up launch also runs the shared expert's
+    # The M-buckets min..max whose gate_up launch also runs the shared expert's
     # down (``MoeGateUpEarlySharedDownKernel``: its weights load before the PDL
     # wait, while the router runs; the down launch streams the routed experts
-    # only); 0: none. Buckets of up to 8 tokens only. ``early_shared_down_polls``:
-    # the polls of the shared h's tile count after which a CTA leaves its tiles
-    # to the down launch (tests take 0 to run that path).
+    # only); max 0: none. Buckets of up to 8 tokens only. A min above 1 leaves
+    # bucket 1 to the plain pair: on the H200 the early one was ~2.3 us a layer
+    # slower at 1 token and 2-9 us faster at 2-8 (moe_notes.md, "The early
+    # shared down measured"). ``early_shared_down_polls``: the polls of the
+    # shared h's tile count after which a CTA leaves its tiles to the down
+    # launch (tests take 0 to run that path).
     early_shared_down_max_bucket: int = 0
+    early_shared_down_min_bucket: int = 1
     early_shared_down_polls: int = EARLY_MAX_POLLS
 
     def early_shared_down(self, bucket: int) -> bool:
         """Whether M-bucket ``bucket``'s gate_up runs the shared expert's down."""
-        return bucket <= self.early_shared_down_max_bucket and halves_for(bucket) == 1
+        low, high = self.early_shared_down_min_bucket, self.early_shared_down_max_bucket
+        return low <= bucket <= high and halves_for(bucket) == 1
 
     @property
     def down_stage_warps(self) -> int:

@@ -1221,16 +1221,16 @@ def test_the_kernel_factory_hands_the_moe_prewait_to_the_moe(monkeypatch, moe_pr
 
 
 @pytest.mark.parametrize(
-    ("environ", "bucket"),
-    [({}, 0), ({"VLLM_HD_MOE_EARLY_SHARED_DOWN": ""}, 0),
-     ({"VLLM_HD_MOE_EARLY_SHARED_DOWN": "0"}, 0), ({"VLLM_HD_MOE_EARLY_SHARED_DOWN": "1"}, 1),
-     ({"VLLM_HD_MOE_EARLY_SHARED_DOWN": "8"}, 8)],
+    ("value", "buckets"),
+    [(None, None), ("", None), ("0", None), ("1", (1, 1)), ("8", (1, 8)),
+     ("2-8", (2, 8)), ("1-2", (1, 2)), ("4-4", (4, 4))],
 )  # fmt: skip
-def test_the_moe_early_shared_down_switch(environ, bucket):
-    assert decode.moe_early_shared_down_from_env(environ) == bucket
+def test_the_moe_early_shared_down_switch(value, buckets):
+    environ = {} if value is None else {"VLLM_HD_MOE_EARLY_SHARED_DOWN": value}
+    assert decode.moe_early_shared_down_from_env(environ) == buckets
 
 
-@pytest.mark.parametrize("value", ["16", "3", "yes", " 1", "01"])
+@pytest.mark.parametrize("value", ["16", "3", "yes", " 1", "01", "8-2", "0-8", "2-", "-8", "2-16"])
 def test_other_moe_early_shared_down_values_fail_at_start_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("VLLM_HD_MOE_EARLY_SHARED_DOWN", value)
     with pytest.raises(ValueError, match=f"VLLM_HD_MOE_EARLY_SHARED_DOWN={value!r}"):
@@ -1240,10 +1240,13 @@ def test_other_moe_early_shared_down_values_fail_at_start_naming_the_variable(mo
 def test_the_kernel_factory_hands_the_early_shared_down_to_the_moe(monkeypatch, moe_prepared):
     monkeypatch.setenv("VLLM_HD_MOE_EARLY_SHARED_DOWN", "1")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
-    assert config.early_shared_down_max_bucket == 1
+    assert [b for b in (1, 2, 4, 8) if config.early_shared_down(b)] == [1]
+    monkeypatch.setenv("VLLM_HD_MOE_EARLY_SHARED_DOWN", "2-8")
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert [b for b in (1, 2, 4, 8) if config.early_shared_down(b)] == [2, 4, 8]
     monkeypatch.delenv("VLLM_HD_MOE_EARLY_SHARED_DOWN")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
-    assert config.early_shared_down_max_bucket == 0
+    assert not any(config.early_shared_down(b) for b in (1, 2, 4, 8))
 
 
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):

@@ -244,28 +244,36 @@ def moe_prewait_from_env(
     )
 
 
-# The largest M-bucket whose MoE gate_up launch also runs the shared expert's
-# down (its weights staged before the PDL wait, while the router runs; the down
-# launch then streams the routed experts only), for A/Bs: "0" (or unset / empty)
-# none, else 1, 2, 4 or 8. Outputs are bit-identical (tests/kernels/test_moe.py).
+# The M-buckets whose MoE gate_up launch also runs the shared expert's down (its
+# weights staged before the PDL wait, while the router runs; the down launch then
+# streams the routed experts only), for A/Bs: "0" (or unset / empty) none; "B"
+# buckets 1 to B; "A-B" buckets A to B (A <= B), each of 1, 2, 4 or 8 ("2-8"
+# leaves one token to the plain pair, where the early one measured slower).
+# Outputs are bit-identical (tests/kernels/test_moe.py).
 MOE_EARLY_SHARED_DOWN_ENV = "VLLM_HD_MOE_EARLY_SHARED_DOWN"
-MOE_EARLY_SHARED_DOWN_BUCKETS = (0, 1, 2, 4, 8)
+MOE_EARLY_SHARED_DOWN_BUCKETS = (1, 2, 4, 8)
 
 
-def moe_early_shared_down_from_env(environ: dict[str, str] | None = None) -> int:
-    """The largest M-bucket of the early shared down (0: none) as
-    ``MOE_EARLY_SHARED_DOWN_ENV`` asks; raises, naming the variable, on another
-    value."""
+def moe_early_shared_down_from_env(
+    environ: dict[str, str] | None = None,
+) -> tuple[int, int] | None:
+    """``(min_bucket, max_bucket)`` of the early shared down as
+    ``MOE_EARLY_SHARED_DOWN_ENV`` asks (None: off); raises, naming the variable,
+    on another value."""
     value = (os.environ if environ is None else environ).get(MOE_EARLY_SHARED_DOWN_ENV)
-    if not value:
-        return 0
-    if value not in {str(b) for b in MOE_EARLY_SHARED_DOWN_BUCKETS}:
+    if not value or value == "0":
+        return None
+    low, sep, high = value.partition("-")
+    if not sep:
+        low, high = "1", value
+    buckets = {str(b): b for b in MOE_EARLY_SHARED_DOWN_BUCKETS}
+    if low not in buckets or high not in buckets or buckets[low] > buckets[high]:
         raise ValueError(
-            f"{MOE_EARLY_SHARED_DOWN_ENV}={value!r}: expected one of "
-            f"{', '.join(map(str, MOE_EARLY_SHARED_DOWN_BUCKETS))}, the largest "
-            "M-bucket whose gate_up runs the shared expert's down (or unset)"
+            f"{MOE_EARLY_SHARED_DOWN_ENV}={value!r}: expected 0, B or A-B (A <= B) "
+            f"with A and B among {', '.join(buckets)}: the M-buckets whose gate_up "
+            "runs the shared expert's down (or unset)"
         )
-    return int(value)
+    return buckets[low], buckets[high]
 
 
 # The step's first launch, for A/Bs: "1" fuses the embedding lookup and the first
@@ -389,8 +397,8 @@ class KernelFactory:
         if self.moe_early_shared_down:
             logger.info(
                 "Kimi-Linear specialized decode: the MoE gate_up launch runs the "
-                "shared expert's down at M-buckets <= %d (%s)",
-                self.moe_early_shared_down,
+                "shared expert's down at M-buckets %d to %d (%s)",
+                *self.moe_early_shared_down,
                 MOE_EARLY_SHARED_DOWN_ENV,
             )
         self.kernel_cache = kernel_cache_dir_from_env()
@@ -554,6 +562,7 @@ class KernelFactory:
         from ..cutedsl.moe.prepared import MoeConfig, PreparedMoe
 
         gate_up_warps, down_warps, warps_max_bucket = self.moe_expert_warps
+        early_min_bucket, early_max_bucket = self.moe_early_shared_down or (1, 0)
         return PreparedMoe(
             **kwargs,
             config=MoeConfig(
@@ -562,7 +571,8 @@ class KernelFactory:
                 warps_max_bucket=warps_max_bucket,
                 gate_up_prewait_steps=self.moe_prewait[0],
                 down_prewait_steps=self.moe_prewait[1],
-                early_shared_down_max_bucket=self.moe_early_shared_down,
+                early_shared_down_min_bucket=early_min_bucket,
+                early_shared_down_max_bucket=early_max_bucket,
             ),
             router_cluster=self.clusters,
             expert_weight_l2_policy=self.expert_l2_policy[0],
