@@ -658,7 +658,7 @@ def test_plan_is_the_op_sequence_of_each_layer_kind():
     ops = [(s.layer, s.op) for s in executor.plan]
     kda = ["kda_in_proj", "kda_step", "o_proj"]
     mla = ["mla_qkv_a", "mla_w_uk", "mla_cache_row", "mla_decode", "o_proj"]
-    expected = [(-1, "kda_state_slots"), (-1, "embedding"), (-1, "input_norm")]
+    expected = [(-1, "kda_state_slots"), (-1, "embed_norm")]
     expected += [(0, op) for op in kda + ["mlp_gate_up", "mlp_down"]]
     expected += [(1, op) for op in kda + ["moe"]]
     expected += [(2, op) for op in kda + ["moe"]]
@@ -721,10 +721,10 @@ def test_run_launches_the_plan_on_static_buffers(batch, mla_common):
     assert out.data_ptr() == executor.buffers.rows(executor._output, batch).data_ptr()
     kinds = [entry[0] for entry in kernels.log]
     assert model.model.layers[3].self_attn.mla_attn.mla_attn.impl.calls == []
-    # embedding, first norm; 3 KDA layers' in_proj + o_proj, layer 0's MLP, the MLA
-    # layer's qkv_a + o_proj; 3 KDA steps; kv_a norm; 3 MoE.
-    assert kinds.count("embedding") == 1 and kinds.count("kda") == 3
-    assert kinds.count("moe") == 3 and kinds.count("rms_norm") == 1
+    # the embedding and the first norm in one launch; 3 KDA layers' in_proj + o_proj,
+    # layer 0's MLP, the MLA layer's qkv_a + o_proj; 3 KDA steps; 3 MoE.
+    assert kinds.count("embed_norm") == 1 and kinds.count("kda") == 3
+    assert kinds.count("moe") == 3 and kinds.count("rms_norm") == 0
     assert kinds.count("gemm") == 3 * 2 + 2 + 2
     # Each group's slots are gathered once into a static row the group's layers share.
     kda_slots = [entry[2][6] for entry in kernels.log if entry[0] == "kda"]
@@ -1077,16 +1077,18 @@ def test_other_moe_expert_warps_fail_at_start_naming_the_variable(monkeypatch, v
 def test_the_kernel_factory_hands_the_expert_warps_to_the_moe(monkeypatch, moe_prepared):
     monkeypatch.delenv("VLLM_HD_MOE_EXPERT_WARPS", raising=False)
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    # The executor's MoE also runs the shared expert's down early at M-bucket 2.
+    early = dict(early_shared_down_min_bucket=2, early_shared_down_max_bucket=2)
     assert config == moe_prepared.MoeConfig(
         warps=8, down_warps=4, warps_max_bucket=1,
-        down_prewait_steps=decode.MOE_DOWN_PREWAIT_STEPS,
+        down_prewait_steps=decode.MOE_DOWN_PREWAIT_STEPS, **early,
     )  # fmt: skip
     assert config.expert_warps(1) == (8, 4)
     assert [config.expert_warps(b) for b in (2, 4, 8, 16)] == [(4, 4)] * 4
     monkeypatch.setenv("VLLM_HD_MOE_EXPERT_WARPS", "4")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
     assert config == moe_prepared.MoeConfig(
-        warps=4, down_warps=4, down_prewait_steps=decode.MOE_DOWN_PREWAIT_STEPS
+        warps=4, down_warps=4, down_prewait_steps=decode.MOE_DOWN_PREWAIT_STEPS, **early
     )
     assert {config.expert_warps(b) for b in moe_prepared.M_BUCKETS} == {(4, 4)}
     explicit = decode.KernelFactory(clusters=True, moe_expert_warps=(4, 8, 2))
@@ -1222,7 +1224,7 @@ def test_the_kernel_factory_hands_the_moe_prewait_to_the_moe(monkeypatch, moe_pr
 
 @pytest.mark.parametrize(
     ("value", "buckets"),
-    [(None, None), ("", None), ("0", None), ("1", (1, 1)), ("8", (1, 8)),
+    [(None, (2, 2)), ("", (2, 2)), ("0", None), ("1", (1, 1)), ("8", (1, 8)),
      ("2-8", (2, 8)), ("1-2", (1, 2)), ("4-4", (4, 4))],
 )  # fmt: skip
 def test_the_moe_early_shared_down_switch(value, buckets):
@@ -1244,9 +1246,13 @@ def test_the_kernel_factory_hands_the_early_shared_down_to_the_moe(monkeypatch, 
     monkeypatch.setenv("VLLM_HD_MOE_EARLY_SHARED_DOWN", "2-8")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
     assert [b for b in (1, 2, 4, 8) if config.early_shared_down(b)] == [2, 4, 8]
-    monkeypatch.delenv("VLLM_HD_MOE_EARLY_SHARED_DOWN")
+    monkeypatch.setenv("VLLM_HD_MOE_EARLY_SHARED_DOWN", "0")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
     assert not any(config.early_shared_down(b) for b in (1, 2, 4, 8))
+    # Unset: bucket 2 only, the one the engine A/B gained at.
+    monkeypatch.delenv("VLLM_HD_MOE_EARLY_SHARED_DOWN")
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert [b for b in (1, 2, 4, 8) if config.early_shared_down(b)] == [2]
 
 
 def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypatch):
@@ -1318,8 +1324,12 @@ def test_an_unusable_kernel_cache_directory_fails_at_start(monkeypatch, tmp_path
     assert compile_cache.cache_directory() is None
 
 
-def test_the_fused_embed_norm_switch_replaces_the_first_two_launches(monkeypatch):
-    monkeypatch.setenv("VLLM_HD_FUSED_EMBED_NORM", "1")
+@pytest.mark.parametrize("value", [None, "1"])
+def test_the_fused_embed_norm_switch_replaces_the_first_two_launches(monkeypatch, value):
+    if value is None:  # the default
+        monkeypatch.delenv("VLLM_HD_FUSED_EMBED_NORM", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_HD_FUSED_EMBED_NORM", value)
     _, executor, kernels = build()
     ops = [step.op for step in executor.plan]
     assert ops[:2] == ["kda_state_slots", "embed_norm"]

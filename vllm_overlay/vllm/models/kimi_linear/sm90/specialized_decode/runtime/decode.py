@@ -246,12 +246,14 @@ def moe_prewait_from_env(
 
 # The M-buckets whose MoE gate_up launch also runs the shared expert's down (its
 # weights staged before the PDL wait, while the router runs; the down launch then
-# streams the routed experts only), for A/Bs: "0" (or unset / empty) none; "B"
-# buckets 1 to B; "A-B" buckets A to B (A <= B), each of 1, 2, 4 or 8 ("2-8"
-# leaves one token to the plain pair, where the early one measured slower).
-# Outputs are bit-identical (tests/kernels/test_moe.py).
+# streams the routed experts only): unset (or empty) the default, bucket 2 only (the
+# one engine A/B gain: 2.3 us a MoE layer at 2 tokens; 1 token is slower, 4 and 8
+# did not gain in the engine); for A/Bs "0" none, "B" buckets 1 to B, "A-B" buckets
+# A to B (A <= B), each of 1, 2, 4 or 8. Outputs are bit-identical
+# (tests/kernels/test_moe.py).
 MOE_EARLY_SHARED_DOWN_ENV = "VLLM_HD_MOE_EARLY_SHARED_DOWN"
 MOE_EARLY_SHARED_DOWN_BUCKETS = (1, 2, 4, 8)
+MOE_EARLY_SHARED_DOWN_DEFAULT = (2, 2)
 
 
 def moe_early_shared_down_from_env(
@@ -261,7 +263,9 @@ def moe_early_shared_down_from_env(
     ``MOE_EARLY_SHARED_DOWN_ENV`` asks (None: off); raises, naming the variable,
     on another value."""
     value = (os.environ if environ is None else environ).get(MOE_EARLY_SHARED_DOWN_ENV)
-    if not value or value == "0":
+    if not value:
+        return MOE_EARLY_SHARED_DOWN_DEFAULT
+    if value == "0":
         return None
     low, sep, high = value.partition("-")
     if not sep:
@@ -271,15 +275,16 @@ def moe_early_shared_down_from_env(
         raise ValueError(
             f"{MOE_EARLY_SHARED_DOWN_ENV}={value!r}: expected 0, B or A-B (A <= B) "
             f"with A and B among {', '.join(buckets)}: the M-buckets whose gate_up "
-            "runs the shared expert's down (or unset)"
+            "runs the shared expert's down (or unset: bucket 2)"
         )
     return buckets[low], buckets[high]
 
 
-# The step's first launch, for A/Bs: "1" fuses the embedding lookup and the first
-# input RMSNorm into one PDL launch (cutedsl/embed_norm), so the first in_proj
-# loads its pre-wait weights while the rows are gathered; "0" (or unset / empty)
-# keeps torch's index_select and vLLM's rms_norm, two launches without PDL.
+# The step's first launch: "1" (or unset / empty, the default) fuses the embedding
+# lookup and the first input RMSNorm into one PDL launch (cutedsl/embed_norm), so the
+# first in_proj loads its pre-wait weights while the rows are gathered (3-5 us of GPU
+# busy a step in the engine A/B); "0" keeps torch's index_select and vLLM's rms_norm,
+# two launches without PDL.
 FUSED_EMBED_NORM_ENV = "VLLM_HD_FUSED_EMBED_NORM"
 
 
@@ -287,7 +292,9 @@ def fused_embed_norm_from_env(environ: dict[str, str] | None = None) -> bool:
     """Whether ``FUSED_EMBED_NORM_ENV`` asks for the fused first launch; raises,
     naming the variable, on another value than 0 / 1."""
     value = (os.environ if environ is None else environ).get(FUSED_EMBED_NORM_ENV)
-    if not value or value == "0":
+    if not value:
+        return True
+    if value == "0":
         return False
     if value != "1":
         raise ValueError(
