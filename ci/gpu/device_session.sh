@@ -270,9 +270,12 @@ for k, v in d.items() if k.startswith('profile_n') and v}); \
 print('GPU busy us, median step:', {k[-2:]: v.get('busy_us_median_step') \
 and round(v['busy_us_median_step'], 1) for k, v in d.items() \
 if k.startswith('profile_n') and v})" "$OUT/ab-$tag.json"
-        # shellcheck disable=SC2086
-        python3 scripts/trace_seams.py "$ab-traces-$tag/trace-latency_specialized-n1.json.gz" \
-            $seam --json "$OUT/seams-$tag.json"
+        # The seam is read in the N = 1 trace, which an HD_AB_N without 1 does not make.
+        seam_trace="$ab-traces-$tag/trace-latency_specialized-n1.json.gz"
+        if [ -f "$seam_trace" ]; then
+            # shellcheck disable=SC2086
+            python3 scripts/trace_seams.py "$seam_trace" $seam --json "$OUT/seams-$tag.json"
+        fi
     done
     ;;
 save-caches)

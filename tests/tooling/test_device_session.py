@@ -24,7 +24,8 @@ ap.add_argument("--model-dir")
 args = ap.parse_args()
 if args.model_dir:
     print("model dir:", args.model_dir)
-assert args.roles == "latency_specialized" and args.runs == "1" and args.n == "1,2"
+assert args.roles == "latency_specialized" and args.runs == "1"
+assert args.n == os.environ.get("HD_AB_N", "1,2")
 assert args.decode_only == (os.environ.get("HD_AB_FULL") != "1")
 busy = 2000.0 + float(os.environ["HD_SWITCH"])
 scratch = pathlib.Path(args.scratch)
@@ -38,8 +39,9 @@ events = [
      "args": {"grid": [786, 1, 1]}},
     {"cat": "kernel", "name": "KdaDecodeKernel", "ts": 18.0, "dur": 11.0, "args": {}},
 ]
-with gzip.open(traces / "trace-latency_specialized-n1.json.gz", "wt") as f:
-    json.dump({"traceEvents": events}, f)
+if "1" in args.n.split(","):
+    with gzip.open(traces / "trace-latency_specialized-n1.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
 print("latency_specialized N=1: [%.3f] ms" % (busy / 1000))
 print("specialized decode: kernel cache %s" % os.environ.get("VLLM_HD_KERNEL_CACHE", "off"))
 """
@@ -94,6 +96,16 @@ def test_engine_ab_runs_the_engine_once_per_value_and_returns_its_numbers(tmp_pa
     )  # fmt: skip
     assert "no 'SkinnyGemm' kernel follows" in done.stderr
     assert (other_out / "ab-2.json").is_file() and not (other_out / "seams-2.json").exists()
+    # HD_AB_N without 1: no N = 1 trace, so no seams file and no complaint about it.
+    no_n1_out = tmp_path / "no-n1"
+    no_n1_out.mkdir()
+    done = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH", "6"],
+        cwd=tree, env=dict(env, OUT=str(no_n1_out), HD_AB_N="2,4"),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert "engine HD_SWITCH=6: exit 0" in done.stdout and done.stderr == "", done.stderr
+    assert (no_n1_out / "ab-6.json").is_file() and not (no_n1_out / "seams-6.json").exists()
     # HD_AB_FULL=1: the whole role run, prefill and host phases included (the stand-in
     # asserts which one it was asked for).
     full = subprocess.run(
