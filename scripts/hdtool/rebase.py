@@ -69,6 +69,11 @@ CONFLICT = "CONFLICT"
 NOT_TRIED = "not attempted"
 RESOLVED = "resolved by hand"
 ABSENT = "absent (absorbed or skipped)"
+# What a patch after a conflict would do alone (`PatchResult.alone`), tried in a scratch
+# index onto the patches before the conflict (and the later ones that applied there).
+ALONE_CLEAN = "applies clean"
+ALONE_THREE_WAY = "merges 3-way"
+ALONE_CONFLICT = "conflicts"
 
 # `git am` for the rebase: as strict as apply, except that a patch whose context no longer
 # matches may be merged with the pre-image blobs (--3way); the conflict is left for a human.
@@ -118,6 +123,9 @@ class PatchResult:
     files: list[str] = field(default_factory=list)  # conflicted files
     hunks: list[str] = field(default_factory=list)  # conflict details, one line each
     git_errors: list[str] = field(default_factory=list)
+    # For a patch not attempted after a conflict: what it would do on its own (ALONE_*,
+    # with the conflicted files); never committed anywhere.
+    alone: str = ""
 
 
 @dataclass
@@ -339,12 +347,61 @@ def _classify_new(pin: Pin, state: State, paths: list[Path], patches: list[Patch
                 result.files, result.hunks, result.git_errors = _conflict_details(
                     repo, patch, output
                 )
+                for later, alone in zip(
+                    state.patches[index + 1 :],
+                    _try_alone(repo, before, paths[index + 1 :], first_number=index + 2),
+                    strict=True,
+                ):
+                    later.alone = alone
                 return False
             result.status = THREE_WAY if _head(repo) != before else EMPTY
         if _head(repo) != before:
             result.new_commit = _head(repo)
             result.new_stat = _stat(repo, result.new_commit)
     return True
+
+
+def _try_alone(repo: Path, base: str, paths: list[Path], *, first_number: int) -> list[str]:
+    """What each of ``paths`` (series numbers from ``first_number``) would do without the
+    conflicting patch before them: applied in order in a scratch index (no work tree, no
+    commit) onto ``base``'s tree, each onto what the earlier ones that applied left,
+    strictly first, then 3-way. So the report says which later patches need a hand too,
+    before anyone resolves the first conflict. A merge conflict names the patches of this
+    run left out before it: it may only need theirs."""
+    outcomes: list[str] = []
+    left_out: list[int] = []
+    tree = git_out("rev-parse", f"{base}^{{tree}}", cwd=repo)
+    with tempfile.TemporaryDirectory(prefix="hd-alone-") as tmp:
+        env = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        for number, path in enumerate(paths, first_number):
+            patch = str(path.resolve())
+            git("read-tree", tree, cwd=repo, env=env)
+            strict = git(
+                "apply", "--cached", "--whitespace=error", patch, cwd=repo, env=env, check=False
+            )
+            if strict.returncode == 0:
+                outcome = ALONE_CLEAN
+            else:
+                git("read-tree", tree, cwd=repo, env=env)
+                merged = git("apply", "--cached", "--3way", patch, cwd=repo, env=env, check=False)
+                if merged.returncode != 0:
+                    listed = git("ls-files", "--unmerged", cwd=repo, env=env).stdout.decode()
+                    files = sorted({line.split("\t", 1)[1] for line in listed.splitlines()})
+                    errors = [
+                        line.removeprefix("error: ")
+                        for line in merged.stderr.decode(errors="replace").splitlines()
+                        if line.startswith("error: ")
+                    ]
+                    why = ", ".join(f"`{f}`" for f in files) or (errors[0] if errors else "")
+                    if files and left_out:  # a missing file is not the left-out ones' doing
+                        why += "; without " + ", ".join(f"#{n}" for n in left_out)
+                    outcomes.append(f"{ALONE_CONFLICT} ({why})" if why else ALONE_CONFLICT)
+                    left_out.append(number)
+                    continue
+                outcome = ALONE_THREE_WAY
+            tree = git("write-tree", cwd=repo, env=env).stdout.decode().strip()
+            outcomes.append(outcome)
+    return outcomes
 
 
 def _reclassify(pin: Pin, state: State, patches: list[PatchFile]) -> None:
@@ -552,7 +609,19 @@ def render_report(
     else:
         out += ["| # | patch | outcome | old diff | new diff |", "|---|---|---|---|---|"]
         for i, p in enumerate(state.patches, 1):
-            out.append(f"| {i} | `{p.name}` | {p.status} | {p.old_stat} | {p.new_stat or '-'} |")
+            status = p.status
+            if p.status == NOT_TRIED and p.alone:
+                status += f"; alone: {_md_escape(p.alone)}"
+            out.append(f"| {i} | `{p.name}` | {status} | {p.old_stat} | {p.new_stat or '-'} |")
+        if any(p.status == NOT_TRIED and p.alone for p in state.patches):
+            out += [
+                "",
+                "*alone*: what a patch after the conflict would do without it, tried in a "
+                "scratch index (no commit) onto the patches before the conflict and the later "
+                'ones that applied there: strictly, else by 3-way merge; "without #N": '
+                "patches of that run that conflicted before it (it may need only theirs). "
+                "`git am --continue` after the resolution applies them for real.",
+            ]
         for p in state.patches:
             if p.status != CONFLICT:
                 continue

@@ -8,6 +8,7 @@ rope`. Each later release provokes one outcome:
   0.4.0 conflict   LINE_10 itself changed upstream
   0.5.0 empty      upstream made the very same LINE_10 change
   0.6.0 symbol     `rope` moved from vllm/layers.py to vllm/ops/rope.py
+  0.7.0 conflicts  LINE_10 changed and the line the gelu patch appends after changed too
 """
 
 from __future__ import annotations
@@ -76,6 +77,11 @@ RELEASES: dict[str, dict[str, bytes]] = {
         "vllm/layers.py": b"class Attention:\n    pass\n\n\nEPS = 1e-6\n",
         "vllm/ops/__init__.py": b"",
         "vllm/ops/rope.py": b"def rope(x):\n    return x\n",
+    },
+    "0.7.0": {
+        **BASE,
+        "vllm/model.py": model_with(LINE_10=10_000).encode(),
+        "vllm/layers.py": LAYERS_PY.replace("EPS = 1e-6", "EPS = 1e-5").encode(),
     },
 }
 OVERLAY_FILE = "vllm_overlay/vllm/models/toy/decode.py"
@@ -233,7 +239,9 @@ def test_conflict_stops_with_am_in_progress_and_writes_nothing(project: Project)
     text = report(project, "0.4.0")
     assert "STOPPED ON A CONFLICT" in text
     assert f"| 1 | `{PATCH_1}` | CONFLICT |" in text
-    assert f"| 2 | `{PATCH_2}` | not attempted |" in text
+    # The patch after the conflict, tried alone in a scratch index: it would apply.
+    assert f"| 2 | `{PATCH_2}` | not attempted; alone: applies clean |" in text
+    assert "*alone*: what a patch after the conflict would do without it" in text
     assert "- file `vllm/model.py`" in text
     assert "vllm/model.py: patch hunk @@ -7,7 +7,7 @@" in text
     assert "vllm/model.py: conflict markers at lines" in text
@@ -265,6 +273,27 @@ def test_conflict_stops_with_am_in_progress_and_writes_nothing(project: Project)
     result = project.hd("apply")  # the refreshed series applies strictly to the new pin
     assert result.rc == 0, result.text
     assert project.hd("export", "--check").rc == 0
+
+
+def test_a_patch_after_the_conflict_that_would_conflict_too_is_named(project: Project):
+    # A third patch that edits what the second adds: at 0.7.0 it can only conflict too.
+    gelu_doc = LAYERS_PY + '\n\ndef gelu(x):\n    """Identity here."""\n    return x\n'
+    series = [str(project.patches / name) for name in (PATCH_1, PATCH_2)]
+    git("am", "-q", *series, cwd=project._scratch_repo())  # the series so far, under it
+    project.add_patch("layers: document gelu", {"vllm/layers.py": gelu_doc})
+    assert project.hd("apply").rc == 0
+    result = project.hd("rebase", "--to", "0.7.0")
+    assert result.rc == 2
+    text = report(project, "0.7.0")
+    assert f"| 1 | `{PATCH_1}` | CONFLICT |" in text
+    assert f"| 2 | `{PATCH_2}` | not attempted; alone: conflicts (`vllm/layers.py`) |" in text
+    assert (
+        "| 3 | `layers-document-gelu.patch` | not attempted; alone: conflicts "
+        "(`vllm/layers.py`; without #2) |"
+    ) in text
+    # Tried in a scratch index only: the branch holds nothing of it, the work tree neither.
+    assert project.git("log", "--format=%s", "v0.7.0..rebase/0.7.0") == ""
+    assert "gelu" not in (project.repo / "vllm/layers.py").read_text()
 
 
 def test_an_aborted_am_does_not_let_bump_pin_drop_the_series(project: Project):
