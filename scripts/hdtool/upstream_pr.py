@@ -69,6 +69,8 @@ from hdtool.wheel import VERSION_MODULE
 PR_BRANCH_PREFIX = "upstream-pr"
 PATCH_NAME = "vllm-kimi-linear-sm90-decode.patch"
 PERF_REPORT = "docs/perf/decode.json"
+# The same benchmark with every MoE router re-drawn so that tokens route apart (optional).
+SPREAD_REPORT = "docs/perf/decode_spread_routing.json"
 DESCRIPTION = "reports/upstream-pr.md"
 DRAFT_DESCRIPTION = "upstream-pr-DRAFT.md"
 LINT_REPORT = "lint.md"
@@ -172,19 +174,23 @@ def _n_keyed(summary: dict, key: str, where: str) -> dict[int, object]:
     return out
 
 
-def load_perf(pin: Pin, current_fingerprint: str) -> PerfReport:
-    """docs/perf/decode.json, checked to exist, be well-formed and describe this patch set."""
-    path = pin.root / PERF_REPORT
-    bench = "the decode benchmark on the H200 (`make bench`, issue 6) against a wheel built "
+def load_perf(pin: Pin, current_fingerprint: str, report: str = PERF_REPORT) -> PerfReport:
+    """A decode report (docs/perf/decode.json by default), checked to exist, be well-formed
+    and describe this patch set."""
+    path = pin.root / report
+    make_bench = "`make bench`"
+    if report == SPREAD_REPORT:
+        make_bench = "`make bench BENCH_ARGS='--routing spread --n 1,2,4,8,16'`"
+    bench = f"the decode benchmark on the H200 ({make_bench}, issue 6) against a wheel built "
     bench += "from this tree (`make build-wheel`)"
     if not path.is_file():
         raise HdError(
-            f"{PERF_REPORT} does not exist: the PR description needs the measured decode-step "
-            f"table. Run {bench}; it writes {PERF_REPORT} with "
+            f"{report} does not exist: the PR description needs the measured decode-step "
+            f"table. Run {bench}; it writes {report} with "
             f'"fingerprint": "{current_fingerprint}". Then run `make upstream-pr` again '
             "(`--draft` writes a draft without numbers to build/upstream-pr/)."
         )
-    where = PERF_REPORT
+    where = report
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -202,7 +208,7 @@ def load_perf(pin: Pin, current_fingerprint: str) -> PerfReport:
         raise HdError(
             f"{where} is older than the kernels it describes: it was measured with patch-set "
             f"fingerprint {recorded[:16]}..., but patches/, vllm_overlay/ and kernels/ now give "
-            f"{current_fingerprint[:16]}.... Re-run {bench}, commit the new {PERF_REPORT}, "
+            f"{current_fingerprint[:16]}.... Re-run {bench}, commit the new {report}, "
             "then run `make upstream-pr` again."
         )
     if data.get("switches"):
@@ -268,6 +274,8 @@ def format_cell(column: str, value: float | None) -> str:
         return f"{value:.2f}x"
     if column.split(".")[0].endswith("_ms"):
         return f"{value:.3f}"
+    if column == "distinct_experts":  # a mean over layer-steps
+        return f"{value:.1f}"
     return f"{value:g}"
 
 
@@ -1174,6 +1182,8 @@ def render_description(
     lint: LintResult,
     gaps: list[str],
     current_fingerprint: str,
+    spread: PerfReport | None = None,
+    spread_problem: str = "",
 ) -> str:
     tag = pin.upstream_tag
     hooks = [c for c in export.commits if c.kind == "hook"]
@@ -1294,6 +1304,7 @@ def render_description(
             f"Patch-set fingerprint measured: `{data['fingerprint']}` (current).",
             "",
         ]
+        out += _spread_section(spread, spread_problem)
     out += ["## Correctness", ""]
     correctness = perf.data.get("correctness") if perf else None
     if isinstance(correctness, dict):
@@ -1400,6 +1411,29 @@ def parse_author(text: str) -> tuple[str, str]:
     return m[1], m[2]
 
 
+def _spread_section(spread: PerfReport | None, problem: str) -> list[str]:
+    """The benchmark again with routing that follows the token, or why it is not shown."""
+    out = ["### With routing that follows the token", ""]
+    if spread is None:
+        why = problem or f"no `{SPREAD_REPORT}`"
+        out += [
+            f"Not shown ({why}): the table above is all there is for this patch set.",
+            "",
+        ]
+        return out
+    data = spread.data
+    out += [
+        "The same benchmark with every MoE router re-drawn after the dummy load, so that a "
+        f"token's experts follow the token: {data['gpu']}, vLLM {data['vllm']}, {data['date']}.",
+        "",
+        f"Command: `{data['command']}`",
+        "",
+    ]
+    out += perf_table(spread)
+    out.append("")
+    return out
+
+
 def upstream_pr(pin: Pin, draft: bool, author: str | None = None) -> int:
     started = time.monotonic()
     feature_author = parse_author(author) if author else None
@@ -1412,6 +1446,16 @@ def upstream_pr(pin: Pin, draft: bool, author: str | None = None) -> int:
         if not draft:
             raise
         gaps.append(f"performance: {e}")
+    # Optional: a stale or malformed spread-routing report is left out of the description
+    # (said there and here), never shown as this patch set's numbers.
+    spread: PerfReport | None = None
+    spread_problem = ""
+    if (pin.root / SPREAD_REPORT).is_file():
+        try:
+            spread = load_perf(pin, current, SPREAD_REPORT)
+        except HdError as e:
+            spread_problem = str(e).split(". ")[0]
+            print(f"upstream-pr: {SPREAD_REPORT} left out of the description: {e}")
     plan = overlay_plan(pin)
     runtime: RuntimeFacts | None = None
     try:
@@ -1441,7 +1485,9 @@ def upstream_pr(pin: Pin, draft: bool, author: str | None = None) -> int:
     lint = run_vllm_lint(pin, export)
     lint_path = out_dir(pin) / LINT_REPORT
     lint_path.write_text(lint_markdown(pin, lint), encoding="utf-8")
-    description = render_description(pin, export, runtime, perf, lint, gaps, current)
+    description = render_description(
+        pin, export, runtime, perf, lint, gaps, current, spread, spread_problem
+    )
     target = (out_dir(pin) / DRAFT_DESCRIPTION) if gaps else (pin.root / DESCRIPTION)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(description, encoding="utf-8")

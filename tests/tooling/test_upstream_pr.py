@@ -650,3 +650,55 @@ def test_lint_finds_nothing_in_clean_files(project: Project):
     rows = {r[0]: r[1:] for r in table(lint.split("\n"))[1:]}
     for hook in ("ruff-check", "ruff-format", "spdx", "no-pickle"):
         assert rows[hook][1] == "passed", (hook, lint)
+
+
+def spread_data(project: Project, **overrides: object) -> dict:
+    data = perf_data(project, command="python3 scripts/bench_decode.py --routing spread")
+    data["summary"]["step_ms"]["2"] = {"stock": 4.5891, "specialized": 2.8422}
+    data["summary"]["speedup"]["2"] = 1.61457
+    data["summary"]["distinct_experts"]["2"] = 15.7491
+    data.pop("correctness")
+    data.update(overrides)
+    return data
+
+
+def test_spread_routing_table_equals_its_json(project: Project):
+    ready(project)
+    data = spread_data(project)
+    project.write("docs/perf/decode_spread_routing.json", json.dumps(data, indent=2))
+    result = project.hd("upstream-pr")
+    assert result.rc == 0, result.text
+    perf = section(description(project), "Performance")
+    start = perf.index("### With routing that follows the token")
+    spread = perf[start:]
+    assert data["command"] in "\n".join(spread)
+    rows = table(spread)
+    assert rows[0][-1] == "distinct experts"
+    by_n = {r[0]: r for r in rows[1:]}
+    assert sorted(by_n) == ["1", "16", "2"]
+    assert float(by_n["2"][2]) == pytest.approx(2.8422, abs=5e-4)
+    assert by_n["2"][3] == "1.61x"
+    assert by_n["2"][5] == "15.7"
+    # The dummy-routing table stays the section's first.
+    assert float(table(perf)[2][2]) == pytest.approx(2.0012, abs=5e-4)
+
+
+def test_stale_spread_routing_report_is_left_out(project: Project):
+    ready(project)
+    stale = spread_data(project, fingerprint="0" * 64)
+    project.write("docs/perf/decode_spread_routing.json", json.dumps(stale, indent=2))
+    result = project.hd("upstream-pr")
+    assert result.rc == 0, result.text
+    assert "decode_spread_routing.json left out" in result.text
+    perf = section(description(project), "Performance")
+    spread = "\n".join(perf[perf.index("### With routing that follows the token") :])
+    assert "Not shown (docs/perf/decode_spread_routing.json is older than the kernels" in spread
+    assert "2.842" not in spread and "|" not in spread
+
+
+def test_missing_spread_routing_report_is_said(project: Project):
+    ready(project)
+    result = project.hd("upstream-pr")
+    assert result.rc == 0, result.text
+    perf = "\n".join(section(description(project), "Performance"))
+    assert "Not shown (no `docs/perf/decode_spread_routing.json`)" in perf
