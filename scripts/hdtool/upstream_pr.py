@@ -38,6 +38,10 @@ and "prefill_throughput_ratio" (required); any other object of summary keyed by 
 more table column; optional "model", "method" (text) and "correctness" (an object: "command",
 "result", "gpu", "date" strings and "checks", a list of strings); "switches" (the VLLM_HD_*
 experiment switches the benchmark ran with) must be empty or absent.
+
+docs/perf/decode_spread_routing.json (the same benchmark with `--routing spread`) is optional
+and read by the same rules: when its fingerprint is current its table follows decode.json's;
+otherwise the description says why it is not shown.
 """
 
 from __future__ import annotations
