@@ -68,9 +68,10 @@ index: venv-dev
 	$(HD) index
 
 # A fresh venv with the built wheel and its dependencies (torch 2.11.0, ...); reinstalled only
-# when the wheel changed.
+# when the wheel changed. VENV_ARGS: e.g. --min-free-gb=N (the free disk a fresh one needs).
+VENV_ARGS ?=
 venv: build-wheel
-	$(HD) venv --if-stale --path $(WHEEL_VENV)
+	$(HD) venv --if-stale --path $(WHEEL_VENV) $(VENV_ARGS)
 
 test-tooling: venv-dev
 	$(PY) -m pytest tests/tooling -q

@@ -222,14 +222,26 @@ def _run(cmd: list[str], what: str, cleanup: str = "the venv was removed") -> No
 # again, and every failure reports the free disk where pip writes.
 PIP_INSTALL_ATTEMPTS = 3
 PIP_RETRY_PAUSE_S = 10.0
+# What a fresh venv needs free before its install starts: the installed venv alone is 8.25 GB
+# (this machine, 2026-12-05); pip's downloads come on top where the wheels are not local
+# (peak 11.4 GB above the start here). On 2026-12-05 a CI machine's install ran out of disk
+# three times over (2.1 GB free after the third); below this it cannot succeed, so it is
+# refused before pip starts, and a failed attempt is not retried when the disk cannot hold
+# the rest.
+DEFAULT_MIN_FREE_GB = 9.0
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or its first parent that exists (where it would be written)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _free_disk(paths: tuple[Path, ...]) -> str:
     """'N.N GB free at PATH' for each path (its first existing parent)."""
     shown = []
-    for path in paths:
-        while not path.exists() and path != path.parent:
-            path = path.parent
+    for path in map(_existing, paths):
         try:
             free = shutil.disk_usage(path).free
         except OSError:
@@ -238,16 +250,55 @@ def _free_disk(paths: tuple[Path, ...]) -> str:
     return "; ".join(shown)
 
 
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(_existing(path)).free
+
+
+def _disk_advice(min_free_gb: float) -> str:
+    return (
+        "Free disk there (old clones or venvs, ~/.cache/pip), or choose a --path on a larger "
+        f"disk (and TMPDIR for pip's downloads); --min-free-gb {min_free_gb:g} is this check's "
+        "threshold, 0 turns it off"
+    )
+
+
+def check_free_disk(venv: Path, min_free_gb: float) -> None:
+    """Refuse to start an install that the disk at `venv` cannot hold."""
+    if min_free_gb <= 0:
+        return
+    free = _free_bytes(venv)
+    if free < min_free_gb * 1e9:
+        raise HdError(
+            f"{venv}: {free / 1e9:.1f} GB free on its disk, a fresh venv needs at least "
+            f"{min_free_gb:g} GB (8.25 GB installed, more while pip downloads); nothing was "
+            f"installed. {_disk_advice(min_free_gb)}"
+        )
+
+
 def _run_pip(
-    cmd: list[str], what: str, cleanup: str = "the venv was removed", disk: tuple[Path, ...] = ()
+    cmd: list[str],
+    what: str,
+    cleanup: str = "the venv was removed",
+    disk: tuple[Path, ...] = (),
+    needs_gb: float = 0.0,
 ) -> None:
     """`_run` for a pip install, tried up to PIP_INSTALL_ATTEMPTS times; each failure names
-    the free disk at `disk` and at pip's temporary directory."""
+    the free disk at `disk` and at pip's temporary directory. With `needs_gb` (what the
+    finished `disk[0]` holds), a failure after which the free disk plus what `disk[0]`
+    already holds is less than that is a full disk: not tried again."""
     for attempt in range(1, PIP_INSTALL_ATTEMPTS + 1):
         print("+ " + " ".join(cmd), flush=True)
         if subprocess.run(cmd, check=False).returncode == 0:
             return
         space = _free_disk((*disk, Path(tempfile.gettempdir())))
+        if needs_gb > 0 and disk:
+            room = _free_bytes(disk[0]) + _size_bytes(disk[0])
+            if room < needs_gb * 1e9:
+                raise HdError(
+                    f"{what} failed: the disk is full ({space}; with what is installed so far "
+                    f"{room / 1e9:.1f} GB, {needs_gb:g} GB needed); not tried again; {cleanup}. "
+                    f"{_disk_advice(needs_gb)}"
+                )
         if attempt == PIP_INSTALL_ATTEMPTS:
             raise HdError(f"{what} failed {attempt} times (command above; {space}); {cleanup}")
         print(
@@ -258,10 +309,13 @@ def _run_pip(
         time.sleep(PIP_RETRY_PAUSE_S)
 
 
-def create_venv(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
+def create_venv(
+    pin: Pin, venv: Path, wheel: Path, python: str, min_free_gb: float = DEFAULT_MIN_FREE_GB
+) -> dict:
     """Make `venv` from nothing; returns the stamp written last (it marks a complete venv)."""
     stamp = wanted_stamp(pin, wheel, python)
     _remove_venv(pin, venv)
+    check_free_disk(venv, min_free_gb)
     venv.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
@@ -275,6 +329,7 @@ def create_venv(pin: Pin, venv: Path, wheel: Path, python: str) -> dict:
             _pip_install(venv, "--no-cache-dir", *requirements),
             "installing the wheel and its dependencies",
             disk=(venv,),
+            needs_gb=min_free_gb,
         )
         _check_installed(pin, venv, wheel, stamp)
     except BaseException:
@@ -375,7 +430,7 @@ def cmd_venv(args: argparse.Namespace, pin: Pin) -> int:
             f"{stamp['install_seconds']:.0f} s"
         )
         return 0
-    stamp = create_venv(pin, venv, wheel, args.python)
+    stamp = create_venv(pin, venv, wheel, args.python, args.min_free_gb)
     print(
         f"{shown}: vllm {pin.local_version} with dependencies installed in "
         f"{stamp['install_seconds']:.0f} s; {_size_bytes(venv) / 1e9:.2f} GB"
@@ -403,5 +458,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--if-stale",
         action="store_true",
         help="keep the venv when its stamp matches the wheel and requirements",
+    )
+    venv.add_argument(
+        "--min-free-gb",
+        type=float,
+        default=DEFAULT_MIN_FREE_GB,
+        help="disk a fresh venv needs free before pip starts (default %(default)s; 0: no check)",
     )
     venv.set_defaults(func=cmd_venv)

@@ -10,6 +10,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -43,7 +44,13 @@ def write_wheel(path: Path, requirements: str, payload: bytes = b"X = 1\n") -> N
 
 
 def args(**overrides) -> argparse.Namespace:
-    values = dict(path=Path("build/venv-wheel"), wheel=None, python=sys.executable, if_stale=True)
+    values = dict(
+        path=Path("build/venv-wheel"),
+        wheel=None,
+        python=sys.executable,
+        if_stale=True,
+        min_free_gb=venv_mod.DEFAULT_MIN_FREE_GB,
+    )
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -63,7 +70,7 @@ def installs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Path]]:
     calls: list[tuple[str, Path]] = []
 
     def fake(kind: str):
-        def run(pin, venv, wheel, python):
+        def run(pin, venv, wheel, python, *rest):
             calls.append((kind, venv))
             return {"install_seconds": 0.0}
 
@@ -336,3 +343,66 @@ def test_pip_installs_are_tried_again_after_a_failure(
     # Each failure says how much disk is left where pip writes (a full disk reads as a
     # broken connection in pip's traceback).
     assert f"GB free at {tmp_path}" in str(failed.value)
+
+
+def _disk(monkeypatch: pytest.MonkeyPatch, free_gb: float) -> None:
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(
+        venv_mod.shutil, "disk_usage", lambda path: usage._replace(free=int(free_gb * 1e9))
+    )
+
+
+def test_a_fresh_venv_is_refused_on_a_disk_that_cannot_hold_it(
+    project: Project, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below the threshold nothing starts: no venv, no pip; the error names the free disk,
+    the need and the way out. A threshold of 0 skips the check."""
+    ran: list[list[str]] = []
+
+    def run(cmd, **kwargs):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout="3.11.9\n")
+
+    monkeypatch.setattr(venv_mod.subprocess, "run", run)
+    _disk(monkeypatch, 2.1)
+    venv = project.root / "build" / "venv-wheel"
+    wheel = project.root / "dist" / OUT_NAME
+    with pytest.raises(
+        HdError, match=r"2\.1 GB free on its disk, a fresh venv needs at least 9 GB"
+    ) as e:
+        venv_mod.create_venv(project.pin, venv, wheel, sys.executable)
+    assert "nothing was installed" in str(e.value) and "--min-free-gb" in str(e.value)
+    assert not venv.exists()
+    assert [cmd for cmd in ran if "venv" in cmd or "pip" in cmd] == []
+    venv_mod.check_free_disk(venv, 0)  # off: no error
+    _disk(monkeypatch, 9.5)
+    venv_mod.check_free_disk(venv, venv_mod.DEFAULT_MIN_FREE_GB)
+
+
+def test_a_pip_failure_on_a_full_disk_is_not_tried_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """After a failed attempt the free disk plus what the venv already holds must still reach
+    the need; otherwise the disk is full and another attempt cannot succeed."""
+    ran: list[list[str]] = []
+
+    def run(cmd, check):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(venv_mod.subprocess, "run", run)
+    monkeypatch.setattr(venv_mod, "PIP_RETRY_PAUSE_S", 0.0)
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / "lib.so").write_bytes(b"x" * 1000)
+    _disk(monkeypatch, 2.1)
+    with pytest.raises(HdError, match="the disk is full") as full:
+        venv_mod._run_pip(["pip", "install", "x"], "installing x", disk=(venv,), needs_gb=9.0)
+    assert len(ran) == 1
+    assert "not tried again" in str(full.value) and "9 GB needed" in str(full.value)
+    # Room enough: a failure is a cut download, tried again as before.
+    ran.clear()
+    _disk(monkeypatch, 50.0)
+    with pytest.raises(HdError, match="failed 3 times"):
+        venv_mod._run_pip(["pip", "install", "x"], "installing x", disk=(venv,), needs_gb=9.0)
+    assert len(ran) == 3
