@@ -71,7 +71,8 @@
 # so tokens route apart (bench_decode.py --routing spread, scripts/bench_routing.py); results
 # in /tmp/hd-bench-spread, report decode_spread_routing.{json,md}. HD_BENCH_N picks the N
 # (default every one; spread steps at N = 32 and 64 read ~200 experts a layer and take
-# longer: e.g. HD_BENCH_N=1,2,4,8,16).
+# longer: e.g. HD_BENCH_N=1,2,4,8,16). engine-ab takes the same HD_BENCH_ROUTING (its
+# engines' routers re-drawn the same way).
 set -u
 : "${OUT:?run on the device host, where OUT is set}"
 # Issue 6's method (and make bench's default): the median of 3 runs per N. HD_BENCH_RUNS=1
@@ -258,7 +259,7 @@ CUT
         env "$var=$value" timeout "${HD_AB_ENGINE_S:-560}" python3 scripts/bench_decode.py \
             --out-dir "$ab-out-$tag" --scratch "$ab-$tag" --runs 1 \
             --n "${HD_AB_N:-1,2}" --roles latency_specialized --triton-cache "$TRITON" \
-            --keep-traces "$ab-traces-$tag" $decode_only \
+            --routing "$ROUTING" --keep-traces "$ab-traces-$tag" $decode_only \
             ${model_dir:+--model-dir "$model_dir"} > "$ab-$tag.log" 2>&1
         echo "engine $var=$value: exit $?"
         grep -v "Autotuning kernel" "$ab-$tag.log" \

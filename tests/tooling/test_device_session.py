@@ -21,7 +21,9 @@ for a in ("--out-dir", "--scratch", "--runs", "--n", "--roles", "--triton-cache"
     ap.add_argument(a)
 ap.add_argument("--decode-only", action="store_true")
 ap.add_argument("--model-dir")
+ap.add_argument("--routing")
 args = ap.parse_args()
+assert args.routing == os.environ.get("HD_BENCH_ROUTING", "dummy"), args.routing
 if args.model_dir:
     print("model dir:", args.model_dir)
 assert args.roles == "latency_specialized" and args.runs == "1"
@@ -113,6 +115,13 @@ def test_engine_ab_runs_the_engine_once_per_value_and_returns_its_numbers(tmp_pa
         cwd=tree, env=dict(env, HD_AB_FULL="1"), capture_output=True, text=True,
     )  # fmt: skip
     assert "engine HD_SWITCH=3: exit 0" in full.stdout, full.stderr
+    # HD_BENCH_ROUTING=spread: the engines' routers re-drawn as the bench roles' are (the
+    # stand-in asserts the regime it was given).
+    spread = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "engine-ab", "HD_SWITCH", "7"],
+        cwd=tree, env=dict(env, HD_BENCH_ROUTING="spread"), capture_output=True, text=True,
+    )  # fmt: skip
+    assert "engine HD_SWITCH=7: exit 0" in spread.stdout, spread.stderr
     # HD_AB_LAYERS=5: the model cut to its first 5 layers, the same config as the
     # end-to-end tests' model; a count the model does not have fails before any engine.
     cut = subprocess.run(
