@@ -222,12 +222,14 @@ def _run(cmd: list[str], what: str, cleanup: str = "the venv was removed") -> No
 # again, and every failure reports the free disk where pip writes.
 PIP_INSTALL_ATTEMPTS = 3
 PIP_RETRY_PAUSE_S = 10.0
-# What a fresh venv needs free before its install starts: the installed venv alone is 8.25 GB
-# (this machine, 2026-12-05); pip's downloads come on top where the wheels are not local
-# (peak 11.4 GB above the start here). On 2026-12-05 a CI machine's install ran out of disk
-# three times over (2.1 GB free after the third); below this it cannot succeed, so it is
-# refused before pip starts, and a failed attempt is not retried when the disk cannot hold
-# the rest.
+# The installed wheel venv (the development machine, 2026-12-05, during `bash .ci/run` on a
+# fresh clone); pip's downloads come on top where the wheels are not local (the disk peaked
+# 11.4 GB above the start there).
+VENV_INSTALLED_GB = 8.25
+# What a fresh venv needs free before its install starts. On 2026-12-05 a CI machine's
+# install ran out of disk three times over (2.1 GB free after the third); below this it
+# cannot succeed, so it is refused before pip starts, and a failed attempt is not retried
+# when the disk cannot hold the rest.
 DEFAULT_MIN_FREE_GB = 9.0
 
 
@@ -270,8 +272,8 @@ def check_free_disk(venv: Path, min_free_gb: float) -> None:
     if free < min_free_gb * 1e9:
         raise HdError(
             f"{venv}: {free / 1e9:.1f} GB free on its disk, a fresh venv needs at least "
-            f"{min_free_gb:g} GB (8.25 GB installed, more while pip downloads); nothing was "
-            f"installed. {_disk_advice(min_free_gb)}"
+            f"{min_free_gb:g} GB ({VENV_INSTALLED_GB:g} GB installed, more while pip downloads); "
+            f"nothing was installed. {_disk_advice(min_free_gb)}"
         )
 
 
