@@ -112,6 +112,9 @@ def main() -> int:
             "of `make gpu-bundle` (56 MiB each) instead",
             file=sys.stderr,
         )
+        # No bundle left behind that no call can carry.
+        blob.unlink()
+        (args.out / "install.sh").unlink()
         return 1
     print(f'carry [".gpu-bundle/kernels-slim"]  run: sh {args.out}/install.sh && ...')
     return 0
