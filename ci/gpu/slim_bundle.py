@@ -101,9 +101,6 @@ def main() -> int:
             print("error: tar failed", file=sys.stderr)
             return 2
     size_mib = blob.stat().st_size / 2**20
-    sha = hashlib.sha256(blob.read_bytes()).hexdigest()
-    (args.out / "install.sh").write_text(INSTALL_SH.format(sha256=sha))
-    print(f"{blob}: {size_mib:.1f} MiB, sha256 {sha}")
     tree_mib = travelling_bytes(ROOT) / 2**20
     if size_mib + tree_mib > DEVICE_CALL_MIB:
         print(
@@ -112,10 +109,13 @@ def main() -> int:
             "of `make gpu-bundle` (56 MiB each) instead",
             file=sys.stderr,
         )
-        # No bundle left behind that no call can carry.
+        # No bundle left behind that no call can carry (nor an earlier install.sh).
         blob.unlink()
-        (args.out / "install.sh").unlink()
+        (args.out / "install.sh").unlink(missing_ok=True)
         return 1
+    sha = hashlib.sha256(blob.read_bytes()).hexdigest()
+    (args.out / "install.sh").write_text(INSTALL_SH.format(sha256=sha))
+    print(f"{blob}: {size_mib:.1f} MiB, sha256 {sha}")
     print(f'carry [".gpu-bundle/kernels-slim"]  run: sh {args.out}/install.sh && ...')
     return 0
 
