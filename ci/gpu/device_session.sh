@@ -24,7 +24,9 @@
 #                                        # tests/kernels/test_moe.py) then the MoE router's
 #                                        # cluster-vs-ticket A/B at HD_AB_M (default every M),
 #                                        # each under its own time limit (HD_KERNEL_TESTS_S,
-#                                        # HD_AB_S); works in the vllm bundle (it holds CuTe DSL)
+#                                        # HD_AB_S), and each test under HD_KERNEL_TEST_S
+#                                        # (default 180; a hang names its test in
+#                                        # $OUT/kernel-tests.log); works in the vllm bundle
 #   sh ci/gpu/device_session.sh engine-ab VAR VALUE...  # the specialized engine once per
 #                                        # value of the experiment switch VAR (--runs 1, N =
 #                                        # HD_AB_N, default 1,2; ~2.5 min per engine with a warm
@@ -210,10 +212,18 @@ prefill-profile)
 kernel-round)
     shift
     [ $# -gt 0 ] || set -- tests/kernels/test_moe.py
-    timeout "${HD_KERNEL_TESTS_S:-300}" python3 -m pytest -q -rs "$@" \
-        > "$OUT/kernel-tests.log" 2>&1
+    # A kernel that hangs blocks its test inside a CUDA call, where no signal reaches
+    # Python: pytest-timeout's thread method prints the hung test's stack and ends the run
+    # after HD_KERNEL_TEST_S seconds of one test, so the log names it.
+    per_test=""
+    if python3 -c "import pytest_timeout" 2>/dev/null; then
+        per_test="--timeout=${HD_KERNEL_TEST_S:-180} --timeout-method=thread"
+    fi
+    # shellcheck disable=SC2086  # per_test is two words or none
+    PYTHONUNBUFFERED=1 timeout "${HD_KERNEL_TESTS_S:-300}" python3 -m pytest -v -rs \
+        $per_test "$@" > "$OUT/kernel-tests.log" 2>&1
     echo "kernel tests: exit $? (124: cut by HD_KERNEL_TESTS_S)"
-    tail -5 "$OUT/kernel-tests.log"
+    grep -E "^(FAILED|ERROR)|Timeout|passed|failed" "$OUT/kernel-tests.log" | tail -8
     timeout "${HD_AB_S:-240}" python3 scripts/ab_router_cluster.py --out "$OUT/ab" \
         --m "${HD_AB_M:-1,2,4,8,16}" > "$OUT/ab_router_cluster.log" 2>&1
     echo "ab_router_cluster: exit $?"

@@ -319,3 +319,44 @@ def test_bench_roles_pass_the_routing_regime_and_keep_its_results_apart(
     # Only this regime's report comes back (the host's out-dir holds both).
     reports = sorted(p.name for p in out.glob("decode*"))
     assert reports == ["decode.md" if routing == "dummy" else "decode_spread_routing.md"]
+
+
+HANGING_TESTS = """
+import time
+
+
+def test_returns():
+    pass
+
+
+def test_never_returns():
+    time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+def test_kernel_round_names_the_test_that_hangs(tmp_path):
+    """A hung kernel test is cut after HD_KERNEL_TEST_S and named in the log, instead
+    of the whole round running into its limit with nothing said (2026-12-06: a GPU
+    hang behind `| tail` under `timeout` left no output at all)."""
+    pytest.importorskip("pytest_timeout")
+    tree, path = _tree_with_stand_in(tmp_path)
+    # python3 as this venv's interpreter by its own path (a symlink elsewhere loses the
+    # venv, and with it pytest-timeout).
+    python3 = tmp_path / "bin" / "python3"
+    python3.unlink()
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
+    (tree / "tests/kernels").mkdir(parents=True)
+    (tree / "tests/kernels/test_stand_in.py").write_text(HANGING_TESTS)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, OUT=str(out), PATH=path, HD_KERNEL_TEST_S="3", HD_AB_S="5")
+    done = subprocess.run(
+        ["sh", "ci/gpu/device_session.sh", "kernel-round", "tests/kernels/test_stand_in.py"],
+        cwd=tree, env=env, capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert "kernel tests: exit 1 " in done.stdout, done.stdout + done.stderr
+    log = (out / "kernel-tests.log").read_text()
+    assert "test_returns PASSED" in log
+    assert "Timeout" in log and "test_never_returns" in log, log
