@@ -167,6 +167,8 @@ def run(m_values, variants, layers_n, reps, replays) -> list[dict]:
             want = bufs["y"].clone()
             for v in variants:  # the engine variants compute the full chain's output
                 if v.startswith(ENGINE):
+                    # Its first launch: a variant that hangs is named before it does.
+                    print(f"{regime} M={m}: {v} vs full", file=sys.stderr, flush=True)
                     bufs["y"].fill_(float("nan"))
                     chains[-1].run(bufs, v)
                     torch.cuda.synchronize()
