@@ -218,6 +218,8 @@ kernel-round)
     per_test=""
     if python3 -c "import pytest_timeout" 2>/dev/null; then
         per_test="--timeout=${HD_KERNEL_TEST_S:-180} --timeout-method=thread"
+    else
+        echo "kernel tests: no pytest-timeout here, so a hang is cut only by HD_KERNEL_TESTS_S"
     fi
     # shellcheck disable=SC2086  # per_test is two words or none
     PYTHONUNBUFFERED=1 timeout "${HD_KERNEL_TESTS_S:-300}" python3 -m pytest -v -rs \
