@@ -26,7 +26,9 @@
 #                                        # each under its own time limit (HD_KERNEL_TESTS_S,
 #                                        # HD_AB_S), and each test under HD_KERNEL_TEST_S
 #                                        # (default 180; a hang names its test in
-#                                        # $OUT/kernel-tests.log); works in the vllm bundle
+#                                        # $OUT/kernel-tests.log), the tests spread over
+#                                        # HD_KERNEL_JOBS processes (default 8, pytest-xdist);
+#                                        # works in the vllm bundle
 #   sh ci/gpu/device_session.sh engine-ab VAR VALUE...  # the specialized engine once per
 #                                        # value of the experiment switch VAR (--runs 1, N =
 #                                        # HD_AB_N, default 1,2; ~2.5 min per engine with a warm
@@ -221,11 +223,26 @@ kernel-round)
     else
         echo "kernel tests: no pytest-timeout here, so a hang is cut only by HD_KERNEL_TESTS_S"
     fi
-    # shellcheck disable=SC2086  # per_test is two words or none
-    PYTHONUNBUFFERED=1 timeout "${HD_KERNEL_TESTS_S:-300}" python3 -m pytest -v -rs \
-        $per_test "$@" > "$OUT/kernel-tests.log" 2>&1
+    # The tests' time on a fresh host is mostly CuTe DSL compiles, one CPU core each
+    # (2026-12-06: 21 MoE tests took 400 s): HD_KERNEL_JOBS pytest-xdist workers (on the
+    # device image; default 8 of its 16 cores, 1: one process) share the GPU. A worker
+    # cut by the per-test limit is named ("crashed while running ...") and replaced,
+    # so the other tests still run.
+    jobs="${HD_KERNEL_JOBS:-8}"
+    workers=""
+    if [ "$jobs" != 1 ]; then
+        if python3 -c "import xdist" 2>/dev/null; then
+            workers="-n $jobs"
+        else
+            echo "kernel tests: no pytest-xdist here, so one process runs them"
+        fi
+    fi
+    # shellcheck disable=SC2086  # per_test and workers are two words or none
+    PYTHONUNBUFFERED=1 timeout "${HD_KERNEL_TESTS_S:-300}" python3 -m pytest -v -rfEs \
+        $workers $per_test "$@" > "$OUT/kernel-tests.log" 2>&1
     echo "kernel tests: exit $? (124: cut by HD_KERNEL_TESTS_S)"
-    grep -E "^(FAILED|ERROR)|Timeout|passed|failed" "$OUT/kernel-tests.log" | tail -8
+    grep -E "^(FAILED|ERROR)|Timeout|crashed while running|passed|failed" \
+        "$OUT/kernel-tests.log" | tail -8
     timeout "${HD_AB_S:-240}" python3 scripts/ab_router_cluster.py --out "$OUT/ab" \
         --m "${HD_AB_M:-1,2,4,8,16}" > "$OUT/ab_router_cluster.log" 2>&1
     echo "ab_router_cluster: exit $?"

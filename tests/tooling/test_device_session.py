@@ -334,12 +334,8 @@ def test_never_returns():
 """
 
 
-@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
-def test_kernel_round_names_the_test_that_hangs(tmp_path):
-    """A hung kernel test is cut after HD_KERNEL_TEST_S and named in the log, instead
-    of the whole round running into its limit with nothing said (2026-12-06: a GPU
-    hang behind `| tail` under `timeout` left no output at all)."""
-    pytest.importorskip("pytest_timeout")
+def _kernel_round(tmp_path, jobs: str) -> tuple[subprocess.CompletedProcess, str]:
+    """kernel-round over HANGING_TESTS with HD_KERNEL_JOBS=jobs: (the run, the log)."""
     tree, path = _tree_with_stand_in(tmp_path)
     # python3 as this venv's interpreter by its own path (a symlink elsewhere loses the
     # venv, and with it pytest-timeout).
@@ -351,12 +347,39 @@ def test_kernel_round_names_the_test_that_hangs(tmp_path):
     (tree / "tests/kernels/test_stand_in.py").write_text(HANGING_TESTS)
     out = tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, OUT=str(out), PATH=path, HD_KERNEL_TEST_S="3", HD_AB_S="5")
+    env = dict(
+        os.environ, OUT=str(out), PATH=path, HD_KERNEL_TEST_S="3", HD_AB_S="5",
+        HD_KERNEL_JOBS=jobs,
+    )  # fmt: skip
     done = subprocess.run(
         ["sh", "ci/gpu/device_session.sh", "kernel-round", "tests/kernels/test_stand_in.py"],
         cwd=tree, env=env, capture_output=True, text=True, timeout=100,
     )  # fmt: skip
+    return done, (out / "kernel-tests.log").read_text()
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+def test_kernel_round_names_the_test_that_hangs(tmp_path):
+    """A hung kernel test is cut after HD_KERNEL_TEST_S and named in the log, instead
+    of the whole round running into its limit with nothing said (2026-12-06: a GPU
+    hang behind `| tail` under `timeout` left no output at all)."""
+    pytest.importorskip("pytest_timeout")
+    done, log = _kernel_round(tmp_path, "1")
     assert "kernel tests: exit 1 " in done.stdout, done.stdout + done.stderr
-    log = (out / "kernel-tests.log").read_text()
     assert "test_returns PASSED" in log
     assert "Timeout" in log and "test_never_returns" in log, log
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+def test_kernel_round_spreads_the_tests_over_workers_and_names_a_hang(tmp_path):
+    """HD_KERNEL_JOBS=2: two pytest-xdist workers (compiles run one a core); the
+    worker cut by the per-test limit is named with its test and replaced, and the
+    other tests still pass."""
+    pytest.importorskip("pytest_timeout")
+    pytest.importorskip("xdist")
+    done, log = _kernel_round(tmp_path, "2")
+    assert "kernel tests: exit 1 " in done.stdout, done.stdout + done.stderr
+    assert "created: 2/2 workers" in log, log
+    assert "PASSED tests/kernels/test_stand_in.py::test_returns" in log, log
+    named = "crashed while running 'tests/kernels/test_stand_in.py::test_never_returns'"
+    assert named in log and named in done.stdout, log
