@@ -47,3 +47,10 @@ def engine_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[.
         return EngineArgs(**args).create_engine_config()
 
     return build
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor keeps compiled kernels under VLLM_CACHE_ROOT by default: off here, so
+    that no test writes into the user's cache; the kernel cache's own tests turn it on."""
+    monkeypatch.setenv("VLLM_HD_KERNEL_CACHE", "0")

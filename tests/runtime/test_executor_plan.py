@@ -1268,10 +1268,12 @@ def test_an_unknown_expert_l2_policy_fails_at_start_naming_the_variable(monkeypa
 @pytest.mark.parametrize(
     "environ, path",
     [
-        ({}, None),
-        ({"VLLM_HD_KERNEL_CACHE": ""}, None),
+        # On by default, under vLLM's cache root as its own compile cache.
+        ({}, "/vllm-cache/hopper_decode/cutedsl"),
+        ({"VLLM_HD_KERNEL_CACHE": ""}, "/vllm-cache/hopper_decode/cutedsl"),
         ({"VLLM_HD_KERNEL_CACHE": "0"}, None),
         ({"VLLM_HD_KERNEL_CACHE": "1"}, "/vllm-cache/hopper_decode/cutedsl"),
+        ({"VLLM_DISABLE_COMPILE_CACHE": "1"}, None),
         ({"VLLM_HD_KERNEL_CACHE": "/data/kernels"}, "/data/kernels"),
         ({"VLLM_HD_KERNEL_CACHE": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}, None),
         ({"VLLM_HD_KERNEL_CACHE": "/data/kernels", "VLLM_DISABLE_COMPILE_CACHE": "0"},
@@ -1304,15 +1306,39 @@ def compile_cache():
 
 
 def test_the_kernel_factory_configures_the_kernel_cache(monkeypatch, tmp_path, compile_cache):
-    monkeypatch.delenv("VLLM_HD_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("VLLM_HD_KERNEL_CACHE", "0")
     factory = decode.KernelFactory()
     assert factory.kernel_cache is None and compile_cache.cache_directory() is None
     assert factory.kernel_cache_note() == ""
+    monkeypatch.delenv("VLLM_HD_KERNEL_CACHE")  # the default: under VLLM_CACHE_ROOT
+    monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    default = tmp_path / "vllm-cache" / "hopper_decode" / "cutedsl"
+    assert decode.KernelFactory().kernel_cache == str(default)
+    assert compile_cache.cache_directory() == default and default.is_dir()
     monkeypatch.setenv("VLLM_HD_KERNEL_CACHE", str(tmp_path / "kernels"))
     factory = decode.KernelFactory()
     assert compile_cache.cache_directory() == tmp_path / "kernels"
     assert (tmp_path / "kernels").is_dir()
     assert factory.kernel_cache_note().startswith(f"; kernel cache {tmp_path / 'kernels'}: ")
+
+
+def test_an_unusable_default_kernel_cache_only_warns(monkeypatch, tmp_path, compile_cache):
+    """The default directory was not asked for: the engine starts without the cache
+    (compiling its kernels), saying why; the same directory asked for with "1" fails."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.delenv("VLLM_HD_KERNEL_CACHE", raising=False)
+    monkeypatch.delenv("VLLM_DISABLE_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(blocker))
+    warnings = []
+    monkeypatch.setattr(decode.logger, "warning", lambda msg, *a: warnings.append(msg % a))
+    factory = decode.KernelFactory()
+    assert factory.kernel_cache is None and compile_cache.cache_directory() is None
+    assert len(warnings) == 1 and "the default kernel cache cannot be used" in warnings[0]
+    monkeypatch.setenv("VLLM_HD_KERNEL_CACHE", "1")
+    with pytest.raises(ValueError, match="VLLM_HD_KERNEL_CACHE: kernel cache directory"):
+        decode.KernelFactory()
 
 
 def test_an_unusable_kernel_cache_directory_fails_at_start(monkeypatch, tmp_path, compile_cache):

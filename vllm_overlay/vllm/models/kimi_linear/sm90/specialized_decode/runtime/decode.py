@@ -304,11 +304,13 @@ def fused_embed_norm_from_env(environ: dict[str, str] | None = None) -> bool:
 
 
 # The compiled CuTe DSL kernels kept on disk between engine starts
-# (cutedsl/common/compile_cache.py): "1" under vLLM's cache root, an absolute path
-# in that directory; unset or "0" off (until an engine has run the cached kernels).
-# VLLM_DISABLE_COMPILE_CACHE=1, vLLM's switch for its own compile cache, keeps "1" off;
-# an absolute directory is an explicit request and stays on (the benchmarks set both:
-# they disable vLLM's cache to share one Triton cache between engines).
+# (cutedsl/common/compile_cache.py): unset or "1" under vLLM's cache root, as vLLM keeps
+# its own compile cache; an absolute path in that directory; "0" off.
+# VLLM_DISABLE_COMPILE_CACHE=1, vLLM's switch for its own compile cache, keeps the
+# default and "1" off; an absolute directory is an explicit request and stays on (the
+# benchmarks set both: they disable vLLM's cache to share one Triton cache between
+# engines). A default directory that cannot be used turns the cache off with a warning;
+# an asked-for one fails at start.
 KERNEL_CACHE_ENV = "VLLM_HD_KERNEL_CACHE"
 KERNEL_CACHE_SUBDIR = os.path.join("hopper_decode", "cutedsl")
 
@@ -321,9 +323,9 @@ def kernel_cache_dir_from_env(
     vLLM's ``VLLM_CACHE_ROOT``."""
     env = os.environ if environ is None else environ
     value = env.get(KERNEL_CACHE_ENV, "").strip()
-    if value in ("", "0"):
+    if value == "0":
         return None
-    if value == "1":
+    if value in ("", "1"):
         if cache_root is None:
             import vllm.envs as envs
 
@@ -415,7 +417,20 @@ class KernelFactory:
             try:
                 compile_cache.configure(self.kernel_cache)
             except ValueError as err:
-                raise ValueError(f"{KERNEL_CACHE_ENV}: {err}") from err
+                if os.environ.get(KERNEL_CACHE_ENV, "").strip():
+                    raise ValueError(f"{KERNEL_CACHE_ENV}: {err}") from err
+                # The default, not asked for: the engine still runs, compiling every
+                # kernel at each start.
+                logger.warning(
+                    "Kimi-Linear specialized decode: the default kernel cache cannot "
+                    "be used (%s), so the kernels compile at every engine start; %s=0 "
+                    "turns it off, %s=<absolute directory> puts it elsewhere",
+                    err,
+                    KERNEL_CACHE_ENV,
+                    KERNEL_CACHE_ENV,
+                )
+                self.kernel_cache = None
+        if self.kernel_cache is not None:
             logger.info(
                 "Kimi-Linear specialized decode: compiled kernels are kept in %s (%s)",
                 self.kernel_cache,
