@@ -247,10 +247,10 @@ def moe_prewait_from_env(
 # The M-buckets whose MoE gate_up launch also runs the shared expert's down (its
 # weights staged before the PDL wait, while the router runs; the down launch then
 # streams the routed experts only): unset (or empty) the default, bucket 2 only (the
-# one engine A/B gain: 2.3 us a MoE layer at 2 tokens; 1 token is slower, 4 and 8
-# did not gain in the engine); for A/Bs "0" none, "B" buckets 1 to B, "A-B" buckets
-# A to B (A <= B), each of 1, 2, 4 or 8. Outputs are bit-identical
-# (tests/kernels/test_moe.py).
+# one engine A/B gain: ~0.5 us a MoE layer at 2 tokens on the H200's full model; 1
+# token is slower, and 4 and 8 were 50-56 us a step slower there); for A/Bs "0"
+# none, "B" buckets 1 to B, "A-B" buckets A to B (A <= B), each of 1, 2, 4 or 8.
+# Outputs are bit-identical (tests/kernels/test_moe.py).
 MOE_EARLY_SHARED_DOWN_ENV = "VLLM_HD_MOE_EARLY_SHARED_DOWN"
 MOE_EARLY_SHARED_DOWN_BUCKETS = (1, 2, 4, 8)
 MOE_EARLY_SHARED_DOWN_DEFAULT = (2, 2)
