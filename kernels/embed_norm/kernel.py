@@ -19,6 +19,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 
 from ..common.rmsnorm import normalized_chunk
 from ..common.skinny_mma import CHUNK, WARP_THREADS
+from ..common.warp import warp_sum
 
 # Rows (tokens) of one launch: the grid's x dimension; the executor's largest
 # prepared batch is 64.
@@ -93,8 +94,7 @@ class EmbedRmsNormKernel:
             v = values[e].to(Float32)
             square = square + v * v
         square = cutlass.select_(tidx < chunks, square, Float32(0.0))
-        for o in cutlass.range_constexpr(5):
-            square = square + cute.arch.shuffle_sync_bfly(square, 16 >> o)
+        square = warp_sum(square)
         if lane == 0:
             warp_sums[warp] = square
         cute.arch.sync_threads()

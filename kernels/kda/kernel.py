@@ -57,6 +57,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from ..common.warp import warp_sum
+
 HEAD_DIM = 128
 # Width-4 causal conv: three past inputs are kept per channel.
 CONV_WIDTH = 4
@@ -105,14 +107,6 @@ def smem_bytes(warps: int, low_rank_gates: bool = False) -> int:
 def _select(cond, if_true, if_false):
     """Branch-free select of two FP32 values."""
     return Float32(cutlass.select_(cond, if_true, if_false))
-
-
-@cute.jit
-def _warp_sum(value):
-    # Butterfly: every lane ends with the sum over the warp.
-    for offset in cutlass.range_constexpr(5):
-        value = value + cute.arch.shuffle_sync_bfly(value, 16 >> offset)
-    return value
 
 
 class KdaDecodeKernel:
@@ -407,8 +401,8 @@ class KdaDecodeKernel:
             for e in cutlass.range_constexpr(KEYS_PER_LANE):
                 sq_q = sq_q + q4[e] * q4[e]
                 sq_k = sq_k + k4[e] * k4[e]
-            sq_q = _warp_sum(sq_q)
-            sq_k = _warp_sum(sq_k)
+            sq_q = warp_sum(sq_q)
+            sq_k = warp_sum(sq_k)
             q_scale = Float32(self.scale) / cute.math.sqrt(sq_q + Float32(L2NORM_EPS))
             k_scale = Float32(1.0) / cute.math.sqrt(sq_k + Float32(L2NORM_EPS))
             kq = Float32(0.0)
@@ -416,7 +410,7 @@ class KdaDecodeKernel:
                 q4[e] = q4[e] * q_scale
                 k4[e] = k4[e] * k_scale
                 kq = kq + q4[e] * k4[e]
-            kq = _warp_sum(kq)
+            kq = warp_sum(kq)
             beta = beta_s[0]
 
             # ---- decay, then both dot products of every row in one pass.

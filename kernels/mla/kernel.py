@@ -10,6 +10,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from ..common.warp import warp_sum
+
 # A 16-byte load holds 8 bf16.
 CHUNK = 8
 WARP_THREADS = 32
@@ -157,10 +159,7 @@ class MlaCacheRowKernel:
             for i in cutlass.range_constexpr(CHUNK):
                 v = latent[i].to(Float32)
                 square_sum = square_sum + v * v
-            for o in cutlass.range_constexpr(5):
-                square_sum = square_sum + cute.arch.shuffle_sync_bfly(
-                    square_sum, 16 >> o
-                )
+            square_sum = warp_sum(square_sum)
             if lane == 0:
                 warp_sums[warp] = square_sum
             cute.arch.sync_threads()

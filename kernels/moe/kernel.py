@@ -65,6 +65,7 @@ from ..common.skinny_mma import (
     ceil_div,
     new_accumulators,
 )
+from ..common.warp import warp_sum
 
 STAGE_GATE_UP = "gate_up"
 STAGE_DOWN = "down"
@@ -1695,10 +1696,7 @@ class MoeCombineKernel:
                     v = res[i].to(Float32)
                     square_sum = square_sum + v * v
                 square_sum = _pick(tidx < self.chunks, square_sum, Float32(0.0))
-                for o in cutlass.range_constexpr(5):
-                    square_sum = square_sum + cute.arch.shuffle_sync_bfly(
-                        square_sum, 16 >> o
-                    )
+                square_sum = warp_sum(square_sum)
                 if lane == 0:
                     warp_sums[warp] = square_sum
                 cute.arch.sync_threads()
