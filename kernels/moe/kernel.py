@@ -978,6 +978,18 @@ class MoeExpertKernel:
         }
         self.threads = warps * WARP_THREADS
 
+    def reduction_bytes(self) -> int:
+        """Shared memory of the cross-warp reduction every expert CTA ends with."""
+        return self.warps * WARP_THREADS * 4 * self.halves * 4
+
+    @cute.jit
+    def _reduction_buffer(self, smem):
+        return smem.allocate_tensor(
+            Float32,
+            cute.make_layout((self.warps, WARP_THREADS, 4 * self.halves)),
+            16,
+        )
+
     @cute.jit
     def __call__(
         self,
@@ -989,7 +1001,7 @@ class MoeExpertKernel:
         m: Int32,
         stream: cuda.CUstream,
     ):
-        red_bytes = self.warps * WARP_THREADS * 4 * self.halves * 4
+        red_bytes = self.reduction_bytes()
         self.kernel(x_ptr, w_ptr, shared_w_ptr, table_ptr, out_ptr, m).launch(
             grid=[self.tiles, self.slot_lanes, 1],
             block=[self.threads, 1, 1],
@@ -1011,11 +1023,7 @@ class MoeExpertKernel:
         tab = self.table
         tile, slot_lane, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
-        red = smem.allocate_tensor(
-            Float32,
-            cute.make_layout((self.warps, WARP_THREADS, 4 * self.halves)),
-            16,
-        )
+        red = self._reduction_buffer(smem)
         table = cute.make_tensor(table_ptr, cute.make_layout((tab.size,)))
         if const_expr(self.stage == STAGE_GATE_UP):
             # The shared expert's weights and tokens are known before the
@@ -1258,7 +1266,7 @@ class MoeGateUpEarlySharedDownKernel(MoeExpertKernel):
         m: Int32,
         stream: cuda.CUstream,
     ):
-        red_bytes = self.warps * WARP_THREADS * 4 * self.halves * 4
+        red_bytes = self.reduction_bytes()
         stage_bytes = ROWS_PER_TILE * self.row_pitch * 2
         args = (x_ptr, w_ptr, shared_w_ptr, table_ptr, out_ptr, shared_down_ptr, y_ptr)
         self.kernel(*args, sync_ptr, m).launch(
@@ -1288,11 +1296,7 @@ class MoeGateUpEarlySharedDownKernel(MoeExpertKernel):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % WARP_THREADS
         smem = cutlass.utils.SmemAllocator()
-        red = smem.allocate_tensor(
-            Float32,
-            cute.make_layout((self.warps, WARP_THREADS, 4 * self.halves)),
-            16,
-        )
+        red = self._reduction_buffer(smem)
         staged = smem.allocate_tensor(
             BFloat16,
             cute.make_layout(
@@ -1481,7 +1485,7 @@ class MoeDownAfterEarlySharedKernel(MoeExpertKernel):
         m: Int32,
         stream: cuda.CUstream,
     ):
-        red_bytes = self.warps * WARP_THREADS * 4 * self.halves * 4
+        red_bytes = self.reduction_bytes()
         self.kernel(x_ptr, w_ptr, shared_w_ptr, table_ptr, out_ptr, sync_ptr, m).launch(
             grid=[self.tiles, self.slot_lanes, 1],
             block=[self.threads, 1, 1],
@@ -1505,11 +1509,7 @@ class MoeDownAfterEarlySharedKernel(MoeExpertKernel):
         tile, slot_lane, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         smem = cutlass.utils.SmemAllocator()
-        red = smem.allocate_tensor(
-            Float32,
-            cute.make_layout((self.warps, WARP_THREADS, 4 * self.halves)),
-            16,
-        )
+        red = self._reduction_buffer(smem)
         table = cute.make_tensor(table_ptr, cute.make_layout((tab.size,)))
         sync = cute.make_tensor(
             sync_ptr, cute.make_layout((early_sync_words(self.hidden),))
