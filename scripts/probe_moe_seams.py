@@ -22,6 +22,10 @@ gate_up, down, combine with the next layer's RMSNorm) -> the next layer's KDA in
   reading the routing table and normed x a full run left (o_proj then adds its
   squares into a scratch buffer: nothing re-arms the MoE's own sums);
 * ``no_router_no_combine``: both left out.
+* ``engine`` (the executor's MoE configuration), ``engine_prewaitS`` (its in_proj with S
+  weight steps before its wait) and ``engine_expert_regs128`` (its expert launches with
+  launch bounds that let ptxas use 128 registers a thread): full chains, their outputs
+  checked against ``full``'s.
 
 A variant without a launch computes garbage on purpose (stale tables and inputs): it is
 a timing bound, never a kernel. ``full`` minus a variant is the most a rework of the
@@ -58,10 +62,14 @@ VARIANTS = {
     # ... with in_proj loading 0-7 weight steps a warp before its wait (its
     # default: one batch of `unroll` = 8 steps; the executor's is 3):
     **{f"engine_prewait{steps}": (0, 1, 2, 3) for steps in range(8)},
+    # ... with launch bounds on its expert launches (ptxas may use 128 registers a
+    # thread, MoeConfig.expert_max_registers):
+    "engine_expert_regs128": (0, 1, 2, 3),
 }
 ROUTER = 0
 ENGINE = "engine"
 PREWAIT = "engine_prewait"
+EXPERT_REGS = "engine_expert_regs128"
 # The executor's MoE down first weight batch (decode.MOE_DOWN_PREWAIT_STEPS).
 ENGINE_DOWN_PREWAIT_STEPS = 6
 # The KDA layer's fused input projection (q, k, v, b, f_a, g_a) that follows most MoEs.
@@ -89,29 +97,35 @@ class Chain:
         moe = self.seam.moe_norm
         # o_proj's squares when no router consumes and re-arms the MoE's own sums.
         self.scratch_sums = torch.zeros_like(moe.input_sums)
-        self.moe_engine = PreparedMoe(
-            moe.gate_weight,
-            moe.bias,
-            moe.w13,
-            moe.w2,
-            moe.shared_gate_up,
-            moe.shared_down,
-            moe.top_k,
-            moe.scale,
-            moe.renormalize,
-            rmsnorm_weight=moe.gamma,
-            eps=moe.eps,
-            input_norm_weight=moe.input_gamma,
-            input_eps=moe.input_eps,
-            config=MoeConfig(
-                warps=8,
-                down_warps=4,
-                warps_max_bucket=1,
-                down_prewait_steps=ENGINE_DOWN_PREWAIT_STEPS,
-            ),
-            expert_weight_l2_policy="evict_first",
-            expert_weight_l2_policy_max_bucket=4,
-        )
+
+        def engine_moe(**fields):
+            return PreparedMoe(
+                moe.gate_weight,
+                moe.bias,
+                moe.w13,
+                moe.w2,
+                moe.shared_gate_up,
+                moe.shared_down,
+                moe.top_k,
+                moe.scale,
+                moe.renormalize,
+                rmsnorm_weight=moe.gamma,
+                eps=moe.eps,
+                input_norm_weight=moe.input_gamma,
+                input_eps=moe.input_eps,
+                config=MoeConfig(
+                    warps=8,
+                    down_warps=4,
+                    warps_max_bucket=1,
+                    down_prewait_steps=ENGINE_DOWN_PREWAIT_STEPS,
+                    **fields,
+                ),
+                expert_weight_l2_policy="evict_first",
+                expert_weight_l2_policy_max_bucket=4,
+            )
+
+        self.moe_engine = engine_moe()
+        self.moe_expert_regs = engine_moe(expert_max_registers=128)
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         self.in_proj_prewait = {}
         for steps in range(8):
@@ -124,7 +138,9 @@ class Chain:
     def run(self, bufs: dict, variant: str) -> None:
         launches = VARIANTS[variant]
         moe, in_proj = self.seam.moe_norm, self.in_proj
-        if variant.startswith(ENGINE):
+        if variant == EXPERT_REGS:
+            moe = self.moe_expert_regs
+        elif variant.startswith(ENGINE):
             moe = self.moe_engine
         if variant.startswith(PREWAIT):
             in_proj = self.in_proj_prewait[int(variant.removeprefix(PREWAIT))]

@@ -110,6 +110,11 @@ EARLY_MAX_POLLS = 64
 # Padding (elements) of a shared-memory row of staged down weights: rows 2 KiB
 # apart would put the 8 rows a warp's quads read at once in the same banks.
 EARLY_ROW_PAD = 8
+# ``MoeExpertKernel(max_registers=)``: an SM90 SM's register file, and the shared
+# memory carve-out "no preference" (the driver's default, given so that the
+# compile queries no device for it).
+REGISTERS_PER_SM = 65536
+CARVEOUT_NO_PREFERENCE = -1
 
 
 def early_sync_words(hidden: int) -> int:
@@ -919,6 +924,15 @@ class MoeExpertKernel:
     most this many K-steps in a unit's first batch of weight loads (None:
     ``unroll``), the ones issued before the PDL wait where a unit loads before
     it; a warp with fewer steps loads them all there.
+
+    ``max_registers`` (None: no bound): launch bounds that let ptxas use up to
+    this many registers a thread (``min_blocks_per_mp``, ``.minnctapersm`` in
+    the PTX).  Without them ptxas keeps fewer registers than the occupancy
+    needs and sinks part of a batch's loads below its first MMAs, so a unit
+    loading after its wait takes two HBM round trips, not one (SASS of gate_up
+    at M-bucket 1, 8 warps: 110 registers, 10 of its 16 first-batch weight loads
+    ahead of the first MMA; with 128 allowed, 116 registers and 14).  The PTX
+    instructions are the same, so the outputs are bit for bit.
     """
 
     def __init__(
@@ -934,6 +948,7 @@ class MoeExpertKernel:
         use_pdl: bool = True,
         weight_l2_policy: str | None = None,
         prewait_steps: int | None = None,
+        max_registers: int | None = None,
     ):
         if stage not in (STAGE_GATE_UP, STAGE_DOWN):
             raise ValueError(f"unknown stage {stage!r}")
@@ -977,6 +992,18 @@ class MoeExpertKernel:
             for h in range(1, self.halves + 1)
         }
         self.threads = warps * WARP_THREADS
+        self.launch_bounds = {}
+        if max_registers is not None:
+            ctas = REGISTERS_PER_SM // (max_registers * self.threads)
+            if ctas < 1:
+                raise ValueError(
+                    f"max_registers={max_registers} leaves no {self.threads}-thread "
+                    "CTA room on an SM"
+                )
+            self.launch_bounds = {
+                "min_blocks_per_mp": ctas,
+                "preferred_smem_carveout": CARVEOUT_NO_PREFERENCE,
+            }
 
     def reduction_bytes(self) -> int:
         """Shared memory of the cross-warp reduction every expert CTA ends with."""
@@ -1008,6 +1035,7 @@ class MoeExpertKernel:
             smem=red_bytes + 64,
             stream=stream,
             use_pdl=self.use_pdl,
+            **self.launch_bounds,
         )
 
     @cute.kernel
@@ -1213,10 +1241,11 @@ class MoeGateUpEarlySharedDownKernel(MoeExpertKernel):
         weight_l2_policy: str | None = None,
         prewait_steps: int | None = None,
         max_polls: int = EARLY_MAX_POLLS,
+        max_registers: int | None = None,
     ):
         super().__init__(
             STAGE_GATE_UP, hidden, inter, num_experts, top_k, m_bucket, slot_lanes,
-            warps, use_pdl, weight_l2_policy, prewait_steps,
+            warps, use_pdl, weight_l2_policy, prewait_steps, max_registers,
         )  # fmt: skip
         if self.halves != 1:
             raise ValueError(
@@ -1275,6 +1304,7 @@ class MoeGateUpEarlySharedDownKernel(MoeExpertKernel):
             smem=red_bytes + stage_bytes + 64,
             stream=stream,
             use_pdl=self.use_pdl,
+            **self.launch_bounds,
         )
 
     @cute.kernel
@@ -1462,10 +1492,11 @@ class MoeDownAfterEarlySharedKernel(MoeExpertKernel):
         use_pdl: bool = True,
         weight_l2_policy: str | None = None,
         prewait_steps: int | None = None,
+        max_registers: int | None = None,
     ):
         super().__init__(
             STAGE_DOWN, hidden, inter, num_experts, top_k, m_bucket, slot_lanes,
-            warps, use_pdl, weight_l2_policy, prewait_steps,
+            warps, use_pdl, weight_l2_policy, prewait_steps, max_registers,
         )  # fmt: skip
         if self.halves != 1:
             raise ValueError(
@@ -1492,6 +1523,7 @@ class MoeDownAfterEarlySharedKernel(MoeExpertKernel):
             smem=red_bytes + 64,
             stream=stream,
             use_pdl=self.use_pdl,
+            **self.launch_bounds,
         )
 
     @cute.kernel

@@ -114,6 +114,11 @@ class MoeConfig:
     early_shared_down_max_bucket: int = 0
     early_shared_down_min_bucket: int = 1
     early_shared_down_polls: int = EARLY_MAX_POLLS
+    # Launch bounds of the expert launches: ptxas may use up to this many
+    # registers a thread (``MoeExpertKernel(max_registers=)``; 128 keeps two
+    # 8-warp or four 4-warp CTAs an SM); None: no bounds, ptxas keeps fewer
+    # and sinks part of each weight batch below its first MMAs.
+    expert_max_registers: int | None = None
 
     def early_shared_down(self, bucket: int) -> bool:
         """Whether M-bucket ``bucket``'s gate_up runs the shared expert's down."""
@@ -384,25 +389,28 @@ class PreparedMoe:
         gate_up_warps, down_warps = self.config.expert_warps(bucket)
         fused = self.gamma is not None
         policy = self._expert_l2_policy(bucket)
+        registers = self.config.expert_max_registers
         if self.config.early_shared_down(bucket):
             gate_up = MoeGateUpEarlySharedDownKernel(
                 s.hidden, s.inter, s.num_experts, s.top_k, bucket, lanes,
                 gate_up_warps, down_warps, self.use_pdl, policy,
                 self.config.gate_up_prewait_steps, self.config.early_shared_down_polls,
+                registers,
             )  # fmt: skip
             down = MoeDownAfterEarlySharedKernel(
                 s.hidden, s.inter, s.num_experts, s.top_k, bucket, lanes, down_warps,
-                self.use_pdl, policy, self.config.down_prewait_steps,
+                self.use_pdl, policy, self.config.down_prewait_steps, registers,
             )  # fmt: skip
         else:
             gate_up = MoeExpertKernel(
                 STAGE_GATE_UP, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
                 lanes, gate_up_warps, self.use_pdl, policy,
-                self.config.gate_up_prewait_steps,
+                self.config.gate_up_prewait_steps, registers,
             )  # fmt: skip
             down = MoeExpertKernel(
                 STAGE_DOWN, s.hidden, s.inter, s.num_experts, s.top_k, bucket,
                 lanes, down_warps, self.use_pdl, policy, self.config.down_prewait_steps,
+                registers,
             )  # fmt: skip
         return (
             MoeRouterKernel(

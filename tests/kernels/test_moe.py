@@ -760,3 +760,45 @@ def test_early_shared_down_graph_replays_are_bit_identical(experts):
         _bits_equal(out, first_out, f"replay {i}: out")
         _bits_equal(residual_out, first_res, f"replay {i}: residual_out")
     assert not moe.early_sync.any(), "the flags and the count are re-armed"
+
+
+@pytest.mark.parametrize("regime", ["dummy", "balanced"])
+def test_expert_launch_bounds_are_bit_identical(experts, regime):
+    """Launch bounds on the expert launches (``expert_max_registers=128``: ptxas
+    schedules the same instructions in more registers) give the executor's
+    table, route weights, expert rows and output bit for bit at M = 1, 2 (the
+    early shared down), 3, 8 and 16, with the input norm and the fused residual
+    + RMSNorm."""
+    base = {
+        "warps": 8, "down_warps": 4, "warps_max_bucket": 1, "down_prewait_steps": 6,
+        "early_shared_down_min_bucket": 2, "early_shared_down_max_bucket": 2,
+    }  # fmt: skip
+    for m in (1, 2, 3, 8, 16):
+        x, gate, bias, residual = _bit_identity_case(regime, m, 2600)
+        results = []
+        for registers in (None, 128):
+            moe = PreparedMoe(
+                gate, bias, experts["w13"], experts["w2"], experts["shared_gate_up"],
+                experts["shared_down"], TOP_K, SCALE, rmsnorm_weight=experts["gamma"],
+                eps=EPS, config=MoeConfig(**base, expert_max_registers=registers),
+                input_norm_weight=experts["input_gamma"], input_eps=EPS,
+                expert_weight_l2_policy="evict_first", expert_weight_l2_policy_max_bucket=4,
+            )  # fmt: skip
+            moe.input_sums[:m] = residual.float().pow(2).sum(dim=-1)
+            moe.y.fill_(float("nan"))
+            x_out = torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+            out = torch.full_like(x_out, float("nan"))
+            residual_out = torch.full_like(x_out, float("nan"))
+            moe.run(x_out, out, residual, residual_out)
+            torch.cuda.synchronize()
+            results.append(
+                {
+                    "table": moe.table.clone(),
+                    "route_weights": moe.route_weights[: m * TOP_K].clone(),
+                    "x": x_out,
+                    "out": out,
+                    "residual_out": residual_out,
+                }
+            )
+        for what, want in results[0].items():
+            _bits_equal(results[1][what], want, f"{regime} M={m} {what}")

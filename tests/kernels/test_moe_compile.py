@@ -9,8 +9,11 @@ through global memory and a ticket, at the Kimi-Linear-48B-A3B shape.  Skips
 with the reason where nvidia-cutlass-dsl is not installed.
 """
 
+import collections
 import os
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -301,13 +304,13 @@ def test_router_warp_table_drops_the_cta_wide_pass(tmp_path, path):
     assert "ld.local" not in fast and "st.local" not in fast
 
 
-def _expert_kernel(stage, prewait_steps, warps=None):
+def _expert_kernel(stage, prewait_steps, warps=None, max_registers=None):
     """The decode's M-bucket-1 expert launch (gate_up 8 warps, down 4 unless
     ``warps``) with the executor's evict_first weight loads."""
     warps = warps or (8 if stage == "gate_up" else 4)
     kern = MoeExpertKernel(
         stage, HIDDEN, INTER, EXPERTS, TOP_K, 1, slot_lanes_for(1, SHAPE), warps, True,
-        "evict_first", prewait_steps,
+        "evict_first", prewait_steps, max_registers,
     )  # fmt: skip
     out = BF16 if stage == "gate_up" else F32
     return cute.compile(kern, BF16, BF16, BF16, I32, out, M, STREAM)
@@ -398,3 +401,90 @@ def test_down_after_the_early_shared_down_reads_the_tiles_flag_after_the_wait(tm
     before, wait, after = ptx.partition("griddepcontrol.wait;")
     assert wait and "ld.relaxed.gpu.global.b32" in after  # the tile's flag
     assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def _expert_ptx(tmp_path, stage, max_registers):
+    """The PTX of the decode's M-bucket-1 expert launch (8-warp gate_up, 4-warp
+    down with its executor's first batch of 6) with or without launch bounds."""
+    name = f"{stage}-{max_registers}"
+    (tmp_path / name).mkdir()
+    prewait = None if stage == "gate_up" else 6
+    call = f"_expert_kernel({stage!r}, {prewait}, max_registers={max_registers})"
+    return compiled_ptx(tmp_path / name, "test_moe_compile", call)
+
+
+@pytest.mark.parametrize(("stage", "ctas"), [("gate_up", 2), ("down", 4)])
+def test_expert_launch_bounds_add_only_the_directive(tmp_path, stage, ctas):
+    """``max_registers=128``: ``.minnctapersm`` 2 for 256 threads, 4 for 128,
+    and the same loads, stores, MMAs, float arithmetic and barriers as the
+    unbounded launch (NVVM folds an index computation differently: only integer
+    opcodes may differ)."""
+    plain = _expert_ptx(tmp_path, stage, None)
+    bounded = _expert_ptx(tmp_path, stage, 128)
+    assert ".minnctapersm" not in plain
+    assert _count(bounded, f".minnctapersm {ctas}") == 1
+    differ = _opcodes(plain) - _opcodes(bounded) | _opcodes(bounded) - _opcodes(plain)
+    assert all(re.fullmatch(r"(mad|mul|add|sub|or|and|shl|shr)\.(lo\.)?[su]?(32|b32|s32|u32)", op)
+               for op in differ), differ  # fmt: skip
+
+
+def _opcodes(ptx: str) -> collections.Counter:
+    """How many times each opcode occurs in the PTX's instructions."""
+    ops = collections.Counter()
+    for line in ptx.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("//", ".", "{", "}")) and not line.endswith(":"):
+            ops[line.split()[0]] += 1
+    return ops
+
+
+def _sass_tools():
+    """ptxas and nvdisasm of the wheel's CUDA (nvidia-cuda-nvcc), or None."""
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in map(Path, nvidia.__path__):
+        tools = (root / "cu13" / "bin" / "ptxas", root / "cu13" / "bin" / "nvdisasm")
+        if all(tool.exists() for tool in tools):
+            return tools
+    return None
+
+
+def _loads_before_first_mma_after_trigger(tmp_path, ptx: str, name: str):
+    """(registers, 16-byte global loads between gate_up's dependents trigger
+    (PREEXIT, after its wait) and the next MMA): how much of a routed unit's
+    first batch ptxas keeps ahead of its first MMA."""
+    ptxas, nvdisasm = _sass_tools()
+    source, cubin = tmp_path / f"{name}.ptx", tmp_path / f"{name}.cubin"
+    source.write_text(ptx)
+    info = subprocess.run(
+        [ptxas, "-arch=sm_90a", "-v", source, "-o", cubin],
+        capture_output=True, text=True, check=True,
+    ).stderr  # fmt: skip
+    registers = int(re.search(r"Used (\d+) registers", info)[1])
+    sass = subprocess.run(
+        [nvdisasm, "-c", cubin], capture_output=True, text=True, check=True
+    ).stdout
+    routed = sass[sass.index("PREEXIT") :]
+    return registers, routed[: routed.index("HMMA")].count("LDG.E.128")
+
+
+@pytest.mark.skipif(_sass_tools() is None, reason="no ptxas / nvdisasm (nvidia-cuda-nvcc)")
+def test_expert_launch_bounds_keep_more_of_a_batch_ahead_of_its_first_mma(tmp_path):
+    """gate_up at M-bucket 1: with 128 registers allowed, ptxas keeps more of a
+    routed unit's 16 weight and 8 activation loads ahead of its first MMA than
+    without bounds (SASS of the wheel's ptxas), within two CTAs an SM."""
+    plain = _loads_before_first_mma_after_trigger(
+        tmp_path, _expert_ptx(tmp_path, "gate_up", None), "plain"
+    )
+    bounded = _loads_before_first_mma_after_trigger(
+        tmp_path, _expert_ptx(tmp_path, "gate_up", 128), "bounded"
+    )
+    assert bounded[0] <= 128
+    assert bounded[1] > plain[1], (plain, bounded)
+
+
+def test_expert_launch_bounds_must_leave_a_cta_room():
+    with pytest.raises(ValueError, match="max_registers=300 leaves no 256-thread"):
+        MoeExpertKernel("gate_up", HIDDEN, INTER, EXPERTS, TOP_K, 1, 9, 8, max_registers=300)

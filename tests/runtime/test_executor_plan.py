@@ -1223,6 +1223,35 @@ def test_the_kernel_factory_hands_the_moe_prewait_to_the_moe(monkeypatch, moe_pr
 
 
 @pytest.mark.parametrize(
+    ("environ", "registers"),
+    [({}, None), ({"VLLM_HD_MOE_EXPERT_REGISTERS": ""}, None),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "128"}, 128),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "64"}, 64),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "255"}, 255)],
+)  # fmt: skip
+def test_the_moe_expert_registers_switch(environ, registers):
+    assert decode.moe_expert_registers_from_env(environ) == registers
+
+
+@pytest.mark.parametrize("value", ["0", "63", "256", "0128", "128 ", "1e2", "-128", "yes"])
+def test_other_moe_expert_registers_values_fail_at_start_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VLLM_HD_MOE_EXPERT_REGISTERS", value)
+    with pytest.raises(ValueError, match=f"VLLM_HD_MOE_EXPERT_REGISTERS={value!r}"):
+        decode.check_environment()
+    with pytest.raises(ValueError, match="VLLM_HD_MOE_EXPERT_REGISTERS"):
+        decode.KernelFactory()
+
+
+def test_the_kernel_factory_hands_the_moe_expert_registers_to_the_moe(monkeypatch, moe_prepared):
+    monkeypatch.setenv("VLLM_HD_MOE_EXPERT_REGISTERS", "128")
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert config.expert_max_registers == 128
+    monkeypatch.delenv("VLLM_HD_MOE_EXPERT_REGISTERS")
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert config.expert_max_registers is None
+
+
+@pytest.mark.parametrize(
     ("value", "buckets"),
     [(None, (2, 2)), ("", (2, 2)), ("0", None), ("1", (1, 1)), ("8", (1, 8)),
      ("2-8", (2, 8)), ("1-2", (1, 2)), ("4-4", (4, 4))],

@@ -244,6 +244,30 @@ def moe_prewait_from_env(
     )
 
 
+# The MoE expert launches' launch bounds, for A/Bs: "R" lets ptxas use up to R
+# registers a thread (64-255; 128 keeps two 8-warp or four 4-warp CTAs an SM), so it
+# keeps more of a weight batch's loads ahead of the first MMA; unset or empty: no
+# bounds (ptxas keeps ~110 and sinks part of each batch). The PTX instructions are
+# the same: outputs are bit-identical (tests/kernels/test_moe.py).
+MOE_EXPERT_REGISTERS_ENV = "VLLM_HD_MOE_EXPERT_REGISTERS"
+MOE_EXPERT_REGISTERS_RANGE = (64, 255)
+
+
+def moe_expert_registers_from_env(environ: dict[str, str] | None = None) -> int | None:
+    """The MoE expert launches' register bound as ``MOE_EXPERT_REGISTERS_ENV``
+    asks (None: no bounds); raises, naming the variable, on another value."""
+    value = (os.environ if environ is None else environ).get(MOE_EXPERT_REGISTERS_ENV)
+    if not value:
+        return None
+    low, high = MOE_EXPERT_REGISTERS_RANGE
+    if not re.fullmatch(r"[1-9][0-9]*", value) or not low <= int(value) <= high:
+        raise ValueError(
+            f"{MOE_EXPERT_REGISTERS_ENV}={value!r}: expected the registers a thread "
+            f"({low}-{high}) the MoE expert launches may use (or unset: no bounds)"
+        )
+    return int(value)
+
+
 # The M-buckets whose MoE gate_up launch also runs the shared expert's down (its
 # weights staged before the PDL wait, while the router runs; the down launch then
 # streams the routed experts only): unset (or empty) the default, bucket 2 only (the
@@ -357,6 +381,7 @@ def check_environment() -> None:
     moe_expert_warps_from_env()
     gemm_prewait_from_env()
     moe_prewait_from_env()
+    moe_expert_registers_from_env()
     moe_early_shared_down_from_env()
     fused_embed_norm_from_env()
     kernel_cache_dir_from_env()
@@ -395,6 +420,7 @@ class KernelFactory:
         # names these when the switch asks for a shape that is not among them.
         self.gemm_shapes: set[tuple[int, int]] = set()
         self.moe_prewait = moe_prewait_from_env()
+        self.moe_expert_registers = moe_expert_registers_from_env()
         self.moe_early_shared_down = moe_early_shared_down_from_env()
         self.fused_embed_norm = fused_embed_norm_from_env()
         if self.fused_embed_norm:
@@ -443,6 +469,13 @@ class KernelFactory:
             MOE_PREWAIT_ENV,
             os.environ.get(MOE_PREWAIT_ENV, ""),
         )
+        if self.moe_expert_registers is not None:
+            logger.info(
+                "Kimi-Linear specialized decode: the MoE expert launches may use %d "
+                "registers a thread (%s)",
+                self.moe_expert_registers,
+                MOE_EXPERT_REGISTERS_ENV,
+            )
         if self.gemm_prewait:
             logger.info(
                 "Kimi-Linear specialized decode: GEMM warps load %s K-steps before "
@@ -595,6 +628,7 @@ class KernelFactory:
                 down_prewait_steps=self.moe_prewait[1],
                 early_shared_down_min_bucket=early_min_bucket,
                 early_shared_down_max_bucket=early_max_bucket,
+                expert_max_registers=self.moe_expert_registers,
             ),
             router_cluster=self.clusters,
             expert_weight_l2_policy=self.expert_l2_policy[0],
