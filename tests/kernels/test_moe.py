@@ -674,6 +674,27 @@ def test_default_router_cluster_stops_at_its_measured_buckets(experts):
     ).router_cluster_for(1)  # fmt: skip
 
 
+def _normed_run(moe, m, residual) -> dict:
+    """One run of an input-normalising MoE with the fused residual + RMSNorm
+    on NaN-filled outputs: what the bit-identity tests compare."""
+    moe.input_sums[:m] = residual.float().pow(2).sum(dim=-1)
+    moe.y.fill_(float("nan"))
+    x_out = torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full_like(x_out, float("nan"))
+    residual_out = torch.full_like(x_out, float("nan"))
+    moe.run(x_out, out, residual, residual_out)
+    torch.cuda.synchronize()
+    return {
+        "table": moe.table.clone(),
+        "route_weights": moe.route_weights[: m * TOP_K].clone(),
+        "x": x_out,
+        # The shared expert's rows of y (row 0 onwards).
+        "shared_y": moe.y[:m].clone(),
+        "out": out,
+        "residual_out": residual_out,
+    }
+
+
 @pytest.mark.parametrize("polls", [None, 0], ids=["polled", "left_to_down"])
 @pytest.mark.parametrize("regime", ["dummy", "balanced"])
 def test_early_shared_down_is_bit_identical(experts, regime, polls):
@@ -702,26 +723,7 @@ def test_early_shared_down_is_bit_identical(experts, regime, polls):
             _, gate_up, _, _ = moe._kernels(m_bucket_for(m))
             early_kernel = isinstance(gate_up, MoeGateUpEarlySharedDownKernel)
             assert early_kernel == (config.early_shared_down_max_bucket > 0), m
-            runs = []
-            for _ in range(3):
-                moe.input_sums[:m] = residual.float().pow(2).sum(dim=-1)
-                moe.y.fill_(float("nan"))
-                x_out = torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
-                out = torch.full_like(x_out, float("nan"))
-                residual_out = torch.full_like(x_out, float("nan"))
-                moe.run(x_out, out, residual, residual_out)
-                torch.cuda.synchronize()
-                runs.append(
-                    {
-                        "table": moe.table.clone(),
-                        "route_weights": moe.route_weights[: m * TOP_K].clone(),
-                        "x": x_out,
-                        # The shared expert's rows of y (row 0 onwards).
-                        "shared_y": moe.y[:m].clone(),
-                        "out": out,
-                        "residual_out": residual_out,
-                    }
-                )
+            runs = [_normed_run(moe, m, residual) for _ in range(3)]
             assert not moe.early_sync.any(), "the flags and the count are re-armed"
             results.append(runs)
         for run in range(3):
@@ -784,21 +786,6 @@ def test_expert_launch_bounds_are_bit_identical(experts, regime):
                 input_norm_weight=experts["input_gamma"], input_eps=EPS,
                 expert_weight_l2_policy="evict_first", expert_weight_l2_policy_max_bucket=4,
             )  # fmt: skip
-            moe.input_sums[:m] = residual.float().pow(2).sum(dim=-1)
-            moe.y.fill_(float("nan"))
-            x_out = torch.full((m, HIDDEN), float("nan"), dtype=torch.bfloat16, device="cuda")
-            out = torch.full_like(x_out, float("nan"))
-            residual_out = torch.full_like(x_out, float("nan"))
-            moe.run(x_out, out, residual, residual_out)
-            torch.cuda.synchronize()
-            results.append(
-                {
-                    "table": moe.table.clone(),
-                    "route_weights": moe.route_weights[: m * TOP_K].clone(),
-                    "x": x_out,
-                    "out": out,
-                    "residual_out": residual_out,
-                }
-            )
+            results.append(_normed_run(moe, m, residual))
         for what, want in results[0].items():
             _bits_equal(results[1][what], want, f"{regime} M={m} {what}")
