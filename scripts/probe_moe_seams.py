@@ -57,13 +57,15 @@ VARIANTS = {
     "no_router": (1, 2, 3),
     "no_router_no_combine": (1, 2),
     # The executor's MoE configuration (8-warp gate_up / 4-warp down at M-bucket 1,
-    # evict_first expert loads up to M-bucket 4) instead of MoeConfig()'s defaults:
+    # evict_first expert loads up to M-bucket 4; hd.31's, without the early shared
+    # down at M-bucket 2 or launch bounds) instead of MoeConfig()'s defaults:
     "engine": (0, 1, 2, 3),
     # ... with in_proj loading 0-7 weight steps a warp before its wait (its
     # default: one batch of `unroll` = 8 steps; the executor's is 3):
     **{f"engine_prewait{steps}": (0, 1, 2, 3) for steps in range(8)},
-    # ... with launch bounds on its expert launches (ptxas may use 128 registers a
-    # thread, MoeConfig.expert_max_registers):
+    # ... with launch bounds on its expert launches at every M-bucket (ptxas may use
+    # 128 registers a thread, MoeConfig.expert_max_registers; the executor's default
+    # since hd.32 takes them at M-buckets 2-8):
     "engine_expert_regs128": (0, 1, 2, 3),
 }
 ROUTER = 0

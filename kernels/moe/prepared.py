@@ -114,16 +114,23 @@ class MoeConfig:
     early_shared_down_max_bucket: int = 0
     early_shared_down_min_bucket: int = 1
     early_shared_down_polls: int = EARLY_MAX_POLLS
-    # Launch bounds of the expert launches: ptxas may use up to this many
-    # registers a thread (``MoeExpertKernel(max_registers=)``; 128 keeps two
-    # 8-warp or four 4-warp CTAs an SM); None: no bounds, ptxas keeps fewer
-    # and sinks part of each weight batch below its first MMAs.
+    # Launch bounds of the expert launches of M-buckets min..max: ptxas may use
+    # up to this many registers a thread (``MoeExpertKernel(max_registers=)``;
+    # 128 keeps two 8-warp or four 4-warp CTAs an SM); None: no bounds, ptxas
+    # keeps fewer and sinks part of each weight batch below its first MMAs.
     expert_max_registers: int | None = None
+    expert_registers_min_bucket: int = M_BUCKETS[0]
+    expert_registers_max_bucket: int = M_BUCKETS[-1]
 
     def early_shared_down(self, bucket: int) -> bool:
         """Whether M-bucket ``bucket``'s gate_up runs the shared expert's down."""
         low, high = self.early_shared_down_min_bucket, self.early_shared_down_max_bucket
         return low <= bucket <= high and halves_for(bucket) == 1
+
+    def expert_registers(self, bucket: int) -> int | None:
+        """The register bound of M-bucket ``bucket``'s expert launches (None: none)."""
+        low, high = self.expert_registers_min_bucket, self.expert_registers_max_bucket
+        return self.expert_max_registers if low <= bucket <= high else None
 
     @property
     def down_stage_warps(self) -> int:
@@ -389,7 +396,7 @@ class PreparedMoe:
         gate_up_warps, down_warps = self.config.expert_warps(bucket)
         fused = self.gamma is not None
         policy = self._expert_l2_policy(bucket)
-        registers = self.config.expert_max_registers
+        registers = self.config.expert_registers(bucket)
         if self.config.early_shared_down(bucket):
             gate_up = MoeGateUpEarlySharedDownKernel(
                 s.hidden, s.inter, s.num_experts, s.top_k, bucket, lanes,

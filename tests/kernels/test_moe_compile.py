@@ -40,6 +40,7 @@ from kernels.moe.prepared import (  # noqa: E402
     M_BUCKETS,
     ROUTER_MAX_STEPS,
     ROUTER_WARPS,
+    MoeConfig,
     MoeShape,
     router_split,
     slot_lanes_for,
@@ -485,6 +486,58 @@ def test_expert_launch_bounds_keep_more_of_a_batch_ahead_of_its_first_mma(tmp_pa
     assert bounded[1] > plain[1], (plain, bounded)
 
 
+def _bucket_expert_ptx(tmp_path, stage, bucket, max_registers):
+    """The PTX of the decode's 4-warp expert launch at M-bucket ``bucket`` (>= 2)."""
+    name = f"{stage}-{bucket}-{max_registers}"
+    (tmp_path / name).mkdir()
+    call = f"_bucket_expert_kernel({stage!r}, {bucket}, {max_registers})"
+    return compiled_ptx(tmp_path / name, "test_moe_compile", call)
+
+
+def _bucket_expert_kernel(stage, bucket, max_registers):
+    policy = "evict_first" if bucket <= 4 else None
+    prewait = None if stage == "gate_up" else 6
+    kern = MoeExpertKernel(
+        stage, HIDDEN, INTER, EXPERTS, TOP_K, bucket, slot_lanes_for(bucket, SHAPE), 4,
+        True, policy, prewait, max_registers,
+    )  # fmt: skip
+    out = BF16 if stage == "gate_up" else F32
+    return cute.compile(kern, BF16, BF16, BF16, I32, out, M, STREAM)
+
+
+def _spill_bytes(tmp_path, ptx: str, name: str) -> int:
+    """Bytes of local-memory spill stores the wheel's ptxas reports for ``ptx``."""
+    ptxas, _ = _sass_tools()
+    source = tmp_path / f"{name}.ptx"
+    source.write_text(ptx)
+    info = subprocess.run(
+        [ptxas, "-arch=sm_90a", "-v", source, "-o", tmp_path / f"{name}.cubin"],
+        capture_output=True, text=True, check=True,
+    ).stderr  # fmt: skip
+    return int(re.search(r"(\d+) bytes spill stores", info)[1])
+
+
+@pytest.mark.skipif(_sass_tools() is None, reason="no ptxas / nvdisasm (nvidia-cuda-nvcc)")
+@pytest.mark.parametrize("stage", ["gate_up", "down"])
+def test_expert_launch_bounds_spill_nothing_up_to_m_bucket_8_and_do_at_16(tmp_path, stage):
+    """128 registers a thread, the executor's bound at M-buckets 2-8: the 4-warp
+    expert launches spill nothing there. At 16 they spill (ptxas 13.5: 48 and 36
+    bytes), which is why the executor leaves bucket 16 unbounded."""
+    for bucket in (2, 4, 8):
+        ptx = _bucket_expert_ptx(tmp_path, stage, bucket, 128)
+        assert _spill_bytes(tmp_path, ptx, f"{stage}-{bucket}") == 0, bucket
+    assert _spill_bytes(tmp_path, _bucket_expert_ptx(tmp_path, stage, 16, 128), "16") > 0
+
+
 def test_expert_launch_bounds_must_leave_a_cta_room():
     with pytest.raises(ValueError, match="max_registers=300 leaves no 256-thread"):
         MoeExpertKernel("gate_up", HIDDEN, INTER, EXPERTS, TOP_K, 1, 9, 8, max_registers=300)
+
+
+def test_expert_launch_bounds_apply_to_their_m_buckets_only():
+    config = MoeConfig(
+        expert_max_registers=128, expert_registers_min_bucket=2, expert_registers_max_bucket=8
+    )
+    assert [config.expert_registers(b) for b in M_BUCKETS] == [None, 128, 128, 128, None]
+    assert [MoeConfig(expert_max_registers=96).expert_registers(b) for b in M_BUCKETS] == [96] * 5
+    assert [MoeConfig().expert_registers(b) for b in M_BUCKETS] == [None] * 5

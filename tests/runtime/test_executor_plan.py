@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -1077,8 +1078,13 @@ def test_other_moe_expert_warps_fail_at_start_naming_the_variable(monkeypatch, v
 def test_the_kernel_factory_hands_the_expert_warps_to_the_moe(monkeypatch, moe_prepared):
     monkeypatch.delenv("VLLM_HD_MOE_EXPERT_WARPS", raising=False)
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
-    # The executor's MoE also runs the shared expert's down early at M-bucket 2.
-    early = dict(early_shared_down_min_bucket=2, early_shared_down_max_bucket=2)
+    # The executor's MoE also runs the shared expert's down early at M-bucket 2 and
+    # bounds its expert launches' registers at M-buckets 2-8.
+    early = dict(
+        early_shared_down_min_bucket=2, early_shared_down_max_bucket=2,
+        expert_max_registers=128, expert_registers_min_bucket=2,
+        expert_registers_max_bucket=8,
+    )  # fmt: skip
     assert config == moe_prepared.MoeConfig(
         warps=8, down_warps=4, warps_max_bucket=1,
         down_prewait_steps=decode.MOE_DOWN_PREWAIT_STEPS, **early,
@@ -1223,32 +1229,43 @@ def test_the_kernel_factory_hands_the_moe_prewait_to_the_moe(monkeypatch, moe_pr
 
 
 @pytest.mark.parametrize(
-    ("environ", "registers"),
-    [({}, None), ({"VLLM_HD_MOE_EXPERT_REGISTERS": ""}, None),
-     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "128"}, 128),
-     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "64"}, 64),
-     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "255"}, 255)],
+    ("environ", "bounds"),
+    [({}, (128, 2, 8)), ({"VLLM_HD_MOE_EXPERT_REGISTERS": ""}, (128, 2, 8)),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "0"}, None),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "128"}, (128, 1, 16)),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "64"}, (64, 1, 16)),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "255:16"}, (255, 1, 16)),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "96:4"}, (96, 1, 4)),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "128:16-16"}, (128, 16, 16)),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "168:1-4"}, (168, 1, 4)),
+     ({"VLLM_HD_MOE_EXPERT_REGISTERS": "128:2-2"}, (128, 2, 2))],
 )  # fmt: skip
-def test_the_moe_expert_registers_switch(environ, registers):
-    assert decode.moe_expert_registers_from_env(environ) == registers
+def test_the_moe_expert_registers_switch(environ, bounds):
+    assert decode.moe_expert_registers_from_env(environ) == bounds
 
 
-@pytest.mark.parametrize("value", ["0", "63", "256", "0128", "128 ", "1e2", "-128", "yes"])
+@pytest.mark.parametrize(
+    "value",
+    ["63", "256", "0128", "128 ", "1e2", "-128", "yes", "128:", "128:3", "128:8-2",
+     "128:2-32", "128:-8", "128:2-", ":2-8", "00", "128:1-2-4"],
+)  # fmt: skip
 def test_other_moe_expert_registers_values_fail_at_start_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("VLLM_HD_MOE_EXPERT_REGISTERS", value)
-    with pytest.raises(ValueError, match=f"VLLM_HD_MOE_EXPERT_REGISTERS={value!r}"):
+    with pytest.raises(ValueError, match=f"VLLM_HD_MOE_EXPERT_REGISTERS={re.escape(repr(value))}"):
         decode.check_environment()
     with pytest.raises(ValueError, match="VLLM_HD_MOE_EXPERT_REGISTERS"):
         decode.KernelFactory()
 
 
 def test_the_kernel_factory_hands_the_moe_expert_registers_to_the_moe(monkeypatch, moe_prepared):
-    monkeypatch.setenv("VLLM_HD_MOE_EXPERT_REGISTERS", "128")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
-    assert config.expert_max_registers == 128
-    monkeypatch.delenv("VLLM_HD_MOE_EXPERT_REGISTERS")
+    assert [config.expert_registers(b) for b in (1, 2, 4, 8, 16)] == [None, 128, 128, 128, None]
+    monkeypatch.setenv("VLLM_HD_MOE_EXPERT_REGISTERS", "160")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
-    assert config.expert_max_registers is None
+    assert [config.expert_registers(b) for b in (1, 2, 4, 8, 16)] == [160] * 5
+    monkeypatch.setenv("VLLM_HD_MOE_EXPERT_REGISTERS", "0")
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert [config.expert_registers(b) for b in (1, 2, 4, 8, 16)] == [None] * 5
 
 
 @pytest.mark.parametrize(

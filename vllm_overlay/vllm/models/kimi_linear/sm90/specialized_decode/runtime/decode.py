@@ -244,28 +244,61 @@ def moe_prewait_from_env(
     )
 
 
-# The MoE expert launches' launch bounds, for A/Bs: "R" lets ptxas use up to R
-# registers a thread (64-255; 128 keeps two 8-warp or four 4-warp CTAs an SM), so it
-# keeps more of a weight batch's loads ahead of the first MMA; unset or empty: no
-# bounds (ptxas keeps ~110 and sinks part of each batch). The PTX instructions are
-# the same: outputs are bit-identical (tests/kernels/test_moe.py).
+# The MoE expert launches' launch bounds: "R" lets ptxas use up to R registers a
+# thread (64-255; 128 keeps two 8-warp or four 4-warp CTAs an SM), so it keeps more of
+# a weight batch's loads ahead of the first MMA. Unset (or empty) the default, 128 at
+# M-buckets 2-8: on one H100 (2026-12-06, scripts/probe_moe_seams.py) the MoE layer
+# took 1.4-1.8 us less at 2 tokens, 2.9-4.0 at 3-4 and 7.0-7.4 at 8, but 0.5 us more
+# at 1 and 13-14 more at 16 (bounded, its 4-warp launches spill there: ptxas 13.5,
+# tests/kernels/test_moe_compile.py); for A/Bs "0" none, "R" every bucket, "R:B"
+# buckets 1 to B, "R:A-B" buckets A to B (A <= B, each of 1, 2, 4, 8, 16). The PTX
+# instructions are the same: outputs are bit-identical (tests/kernels/test_moe.py).
 MOE_EXPERT_REGISTERS_ENV = "VLLM_HD_MOE_EXPERT_REGISTERS"
 MOE_EXPERT_REGISTERS_RANGE = (64, 255)
+MOE_EXPERT_REGISTERS_BUCKETS = (1, 2, 4, 8, 16)
+MOE_EXPERT_REGISTERS_DEFAULT = (128, 2, 8)
 
 
-def moe_expert_registers_from_env(environ: dict[str, str] | None = None) -> int | None:
-    """The MoE expert launches' register bound as ``MOE_EXPERT_REGISTERS_ENV``
-    asks (None: no bounds); raises, naming the variable, on another value."""
+def moe_expert_registers_from_env(
+    environ: dict[str, str] | None = None,
+) -> tuple[int, int, int] | None:
+    """``(registers, min_bucket, max_bucket)`` of the MoE expert launches' bounds
+    as ``MOE_EXPERT_REGISTERS_ENV`` asks (None: no bounds); raises, naming the
+    variable, on another value."""
     value = (os.environ if environ is None else environ).get(MOE_EXPERT_REGISTERS_ENV)
     if not value:
+        return MOE_EXPERT_REGISTERS_DEFAULT
+    if value == "0":
         return None
-    low, high = MOE_EXPERT_REGISTERS_RANGE
-    if not re.fullmatch(r"[1-9][0-9]*", value) or not low <= int(value) <= high:
+    registers, sep, span = value.partition(":")
+    every = str(MOE_EXPERT_REGISTERS_BUCKETS[-1])
+    buckets = _bucket_span(span if sep else every, MOE_EXPERT_REGISTERS_BUCKETS)
+    fewest, most = MOE_EXPERT_REGISTERS_RANGE
+    if (
+        not re.fullmatch(r"[1-9][0-9]*", registers)
+        or not fewest <= int(registers) <= most
+        or buckets is None
+    ):
         raise ValueError(
-            f"{MOE_EXPERT_REGISTERS_ENV}={value!r}: expected the registers a thread "
-            f"({low}-{high}) the MoE expert launches may use (or unset: no bounds)"
+            f"{MOE_EXPERT_REGISTERS_ENV}={value!r}: expected 0, R, R:B or R:A-B, the "
+            f"registers a thread ({fewest}-{most}) the MoE expert launches of every "
+            "M-bucket, of buckets 1 to B or of buckets A to B (A <= B, among "
+            f"{', '.join(map(str, MOE_EXPERT_REGISTERS_BUCKETS))}) may use (or unset: "
+            "128 at buckets 2-8)"
         )
-    return int(value)
+    return int(registers), *buckets
+
+
+def _bucket_span(text: str, buckets: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(A, B)`` of "B" (the first bucket to B) or "A-B" (A <= B), each among
+    ``buckets``; None for anything else."""
+    low, sep, high = text.partition("-")
+    if not sep:
+        low, high = str(buckets[0]), text
+    named = {str(b): b for b in buckets}
+    if low not in named or high not in named or named[low] > named[high]:
+        return None
+    return named[low], named[high]
 
 
 # The M-buckets whose MoE gate_up launch also runs the shared expert's down (its
@@ -291,17 +324,15 @@ def moe_early_shared_down_from_env(
         return MOE_EARLY_SHARED_DOWN_DEFAULT
     if value == "0":
         return None
-    low, sep, high = value.partition("-")
-    if not sep:
-        low, high = "1", value
-    buckets = {str(b): b for b in MOE_EARLY_SHARED_DOWN_BUCKETS}
-    if low not in buckets or high not in buckets or buckets[low] > buckets[high]:
+    buckets = _bucket_span(value, MOE_EARLY_SHARED_DOWN_BUCKETS)
+    if buckets is None:
         raise ValueError(
             f"{MOE_EARLY_SHARED_DOWN_ENV}={value!r}: expected 0, B or A-B (A <= B) "
-            f"with A and B among {', '.join(buckets)}: the M-buckets whose gate_up "
-            "runs the shared expert's down (or unset: bucket 2)"
+            f"with A and B among {', '.join(map(str, MOE_EARLY_SHARED_DOWN_BUCKETS))}: "
+            "the M-buckets whose gate_up runs the shared expert's down (or unset: "
+            "bucket 2)"
         )
-    return buckets[low], buckets[high]
+    return buckets
 
 
 # The step's first launch: "1" (or unset / empty, the default) fuses the embedding
@@ -469,13 +500,18 @@ class KernelFactory:
             MOE_PREWAIT_ENV,
             os.environ.get(MOE_PREWAIT_ENV, ""),
         )
-        if self.moe_expert_registers is not None:
-            logger.info(
-                "Kimi-Linear specialized decode: the MoE expert launches may use %d "
-                "registers a thread (%s)",
-                self.moe_expert_registers,
-                MOE_EXPERT_REGISTERS_ENV,
-            )
+        if self.moe_expert_registers is None:
+            bounds = "none"
+        else:
+            registers, low, high = self.moe_expert_registers
+            bounds = f"{registers} registers a thread at M-buckets {low}-{high}"
+        logger.info(
+            "Kimi-Linear specialized decode: the MoE expert launches' launch bounds: "
+            "%s (%s=%r)",
+            bounds,
+            MOE_EXPERT_REGISTERS_ENV,
+            os.environ.get(MOE_EXPERT_REGISTERS_ENV, ""),
+        )
         if self.gemm_prewait:
             logger.info(
                 "Kimi-Linear specialized decode: GEMM warps load %s K-steps before "
@@ -618,6 +654,9 @@ class KernelFactory:
 
         gate_up_warps, down_warps, warps_max_bucket = self.moe_expert_warps
         early_min_bucket, early_max_bucket = self.moe_early_shared_down or (1, 0)
+        registers, registers_min_bucket, registers_max_bucket = (
+            self.moe_expert_registers or (None, 1, 0)
+        )
         return PreparedMoe(
             **kwargs,
             config=MoeConfig(
@@ -628,7 +667,9 @@ class KernelFactory:
                 down_prewait_steps=self.moe_prewait[1],
                 early_shared_down_min_bucket=early_min_bucket,
                 early_shared_down_max_bucket=early_max_bucket,
-                expert_max_registers=self.moe_expert_registers,
+                expert_max_registers=registers,
+                expert_registers_min_bucket=registers_min_bucket,
+                expert_registers_max_bucket=registers_max_bucket,
             ),
             router_cluster=self.clusters,
             expert_weight_l2_policy=self.expert_l2_policy[0],
