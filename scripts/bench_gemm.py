@@ -18,6 +18,9 @@ with CUDA events around it; per-call time = median replay time / L.
 
 Writes <out-dir>/gemm.json (top-level "summary" with min_bw_frac_m1_large,
 mix_speedup_m1, shapes_slower_than_cublas, gpu, date, command) and gemm.md.
+``--min-ctas 4,6,8`` also times ours (plain, PDL) with launch bounds of that many
+CTAs an SM (``GemmConfig.min_ctas_per_sm``), in the same graphs' method, checked bit
+for bit against the unbounded launch first; rows "min_ctas" in the JSON.
 
     python3 scripts/bench_gemm.py --out-dir docs/perf
 """
@@ -111,11 +114,17 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=40, help="launches per graph (>= copies)")
     ap.add_argument("--shapes", default="all", help="comma list of shape names")
     ap.add_argument(
+        "--min-ctas",
+        default="",
+        help="comma list of launch bounds (CTAs an SM) to time ours plain with",
+    )
+    ap.add_argument(
         "--sweep",
         action="store_true",
         help="also time alternative (warps_k, split_k, unroll) configs",
     )
     args = ap.parse_args()
+    args.min_ctas = [int(c) for c in args.min_ctas.split(",") if c]
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU (SM90)", file=sys.stderr)
         return 2
@@ -139,6 +148,7 @@ def main() -> int:
 
     rows = []
     sweep_rows = []
+    bound_rows = []
     compile_log = {}
     gen = torch.Generator(device=dev).manual_seed(0)
     for name in names:
@@ -160,9 +170,14 @@ def main() -> int:
                 prepared[key] = [pg.PreparedGemm(w, ep, use_pdl=pdl, **kw) for w in weights]
                 secs = prepared[key][0].compile()
                 compile_log[f"{name}/{key}"] = {str(b): round(v, 3) for b, v in secs.items()}
+        for ctas in args.min_ctas:
+            key = f"plain_ctas{ctas}"
+            prepared[key] = [pg.PreparedGemm(w, "plain", min_ctas_per_sm=ctas) for w in weights]
+            secs = prepared[key][0].compile()
+            compile_log[f"{name}/{key}"] = {str(b): round(v, 3) for b, v in secs.items()}
         ctx = (
             n, k, epilogue, weights, prepared, gamma, copies, calls, dev, gen,
-            silu_mul_k, add_rmsnorm_k, args, sweep_rows,
+            silu_mul_k, add_rmsnorm_k, args, sweep_rows, bound_rows,
         )  # fmt: skip
         for m in M_VALUES:
             row = _measure(ctx, name, m)
@@ -222,6 +237,7 @@ def main() -> int:
         "configs": configs,
         "compile_seconds": compile_log,
         "sweep": sweep_rows,
+        "min_ctas": bound_rows,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "gemm.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -234,7 +250,7 @@ def _measure(ctx, name, m):
     """Time ours (PDL / no PDL), cuBLAS and cuBLAS+epilogue for one (shape, M);
     returns the row (or None after a failed correctness guard)."""
     (n, k, epilogue, weights, prepared, gamma, copies, calls, dev, gen,
-     silu_mul_k, add_rmsnorm_k, args, sweep_rows) = ctx  # fmt: skip
+     silu_mul_k, add_rmsnorm_k, args, sweep_rows, bound_rows) = ctx  # fmt: skip
     wbytes = n * k * 2
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
     y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
@@ -308,6 +324,30 @@ def _measure(ctx, name, m):
         f"fused {row['ours_fused_us']:8.2f} vs {row['cublas_epilogue_us']:8.2f} us",
         flush=True,
     )
+    for ctas in args.min_ctas:
+        bounded = prepared[f"plain_ctas{ctas}"]
+        want, got = torch.empty_like(y), torch.empty_like(y)
+        prepared["plain"][0].run(x, want)
+        bounded[0].run(x, got)
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            print(f"error: {name} M={m} min_ctas {ctas} differs from unbounded", file=sys.stderr)
+            return None
+        t, sd = _time_graph([(lambda p=bounded[i % copies]: p.run(x, y)) for i in range(calls)])
+        bound_rows.append(
+            {
+                "shape": name,
+                "M": m,
+                "min_ctas_per_sm": ctas,
+                "us": t,
+                "sd_us": sd,
+                "unbounded_us": row["ours_plain_us"],
+                "bw_frac": wbytes / t / 1e6 / HBM_READ_TBPS,
+            }
+        )
+        print(
+            f"   {name} M={m} min_ctas {ctas}: {t:.2f} us (unbounded {row['ours_plain_us']:.2f})",
+            flush=True,
+        )
     if args.sweep and m in (1, 16):
         bucket = pg.m_bucket_for(m)
         base = prepared["plain"][0].configs[bucket]
@@ -420,6 +460,17 @@ def _markdown(result) -> str:
             out.append(
                 f"- {r['shape']} M={r['M']} {tuple(r['config'])}: "
                 + (f"{r['us']:.2f} us ({r['bw_frac'] * 100:.1f}% BW)" if "us" in r else r["error"])
+            )
+    if result["min_ctas"]:
+        out += ["", "## Launch bounds (plain, PDL, us; bit-identical to unbounded)", ""]
+        out += [
+            "| shape | M | CTAs an SM | bounded | unbounded | ratio |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in result["min_ctas"]:
+            out.append(
+                f"| {r['shape']} | {r['M']} | {r['min_ctas_per_sm']} | {r['us']:.2f} | "
+                f"{r['unbounded_us']:.2f} | {r['unbounded_us'] / r['us']:.3f}x |"
             )
     return "\n".join(out) + "\n"
 

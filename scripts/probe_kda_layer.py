@@ -32,7 +32,15 @@ and the engine A/Bs of 2026-12-03 and 2026-12-04 lost exactly there. Variants:
 * ``early_shared_down``: gate_up's shared-expert CTAs also run the shared
   expert's down, its weights staged before their PDL wait
   (``MoeConfig.early_shared_down_max_bucket``; ``VLLM_HD_MOE_EARLY_SHARED_DOWN=8``
-  in the engine).
+  in the engine);
+* ``expert_regs128``: the MoE expert launches of M-buckets 2-8 with launch bounds
+  of 128 registers a thread (``MoeConfig.expert_max_registers``; the executor's
+  default since hd.32, ``VLLM_HD_MOE_EXPERT_REGISTERS=0`` turns it off);
+  ``early2`` / ``early2_expert_regs128``: the early shared down at M-bucket 2 only
+  (the executor's default since hd.29), without and with those bounds;
+* ``in_proj_ctasC``: in_proj with launch bounds of C CTAs an SM
+  (``GemmConfig.min_ctas_per_sm``; ``VLLM_HD_GEMM_MIN_CTAS=12576x2304:C``): more
+  registers for its loads, fewer for the KDA step's CTAs that start beside it.
 
 Before timing, each variant's last layer output and KDA states after one chain
 from the same caches must agree with ``base``'s (``_check``).
@@ -57,6 +65,13 @@ M_VALUES = "1,2"
 IN_PROJ_PREWAIT_STEPS, DOWN_PREWAIT_STEPS = 3, 6
 PREWAIT_STEPS = (4, 5, 6, 7, 8)
 O_PROJ_PREWAIT_STEPS = (4, 6)
+# The executor's MoE expert launch bounds (hd.32) and early shared down (hd.29).
+EXPERT_BOUNDS = {
+    "expert_max_registers": 128,
+    "expert_registers_min_bucket": 2,
+    "expert_registers_max_bucket": 8,
+}
+EARLY_AT_2 = {"early_shared_down_min_bucket": 2, "early_shared_down_max_bucket": 2}
 # The MoE variants: MoeConfig fields in place of the executor's.
 MOE_VARIANTS = {
     "gate_up_prewait4": {"gate_up_prewait_steps": 4},
@@ -64,12 +79,17 @@ MOE_VARIANTS = {
     "down_prewait4": {"down_prewait_steps": 4},
     "down_prewait8": {"down_prewait_steps": 8},
     "early_shared_down": {"early_shared_down_max_bucket": 8},
+    "expert_regs128": EXPERT_BOUNDS,
+    "early2": EARLY_AT_2,
+    "early2_expert_regs128": {**EARLY_AT_2, **EXPERT_BOUNDS},
 }
+IN_PROJ_MIN_CTAS = (4, 6, 8)
 VARIANTS = (
     "base",
     *(f"prewait{s}" for s in PREWAIT_STEPS),
     *(f"oproj_prewait{s}" for s in O_PROJ_PREWAIT_STEPS),
     *MOE_VARIANTS,
+    *(f"in_proj_ctas{c}" for c in IN_PROJ_MIN_CTAS),
 )
 ROUNDS = 3
 LAYERS, REPS, REPLAYS = 4, 2, 20
@@ -105,6 +125,12 @@ class KdaMoeLayer:
             **{
                 f"prewait{steps}": PreparedGemm(w_in, "plain", prewait_steps=steps)
                 for steps in PREWAIT_STEPS
+            },
+            **{
+                f"in_proj_ctas{ctas}": PreparedGemm(
+                    w_in, "plain", prewait_steps=IN_PROJ_PREWAIT_STEPS, min_ctas_per_sm=ctas
+                )
+                for ctas in IN_PROJ_MIN_CTAS
             },
         }
 

@@ -23,9 +23,10 @@ gate_up, down, combine with the next layer's RMSNorm) -> the next layer's KDA in
   squares into a scratch buffer: nothing re-arms the MoE's own sums);
 * ``no_router_no_combine``: both left out.
 * ``engine`` (the executor's MoE configuration), ``engine_prewaitS`` (its in_proj with S
-  weight steps before its wait) and ``engine_expert_regs128`` (its expert launches with
-  launch bounds that let ptxas use 128 registers a thread): full chains, their outputs
-  checked against ``full``'s.
+  weight steps before its wait), ``engine_expert_regs128`` (its expert launches with
+  launch bounds that let ptxas use 128 registers a thread) and ``engine_prewait3_ctasC``
+  (in_proj with 3 pre-wait steps and launch bounds of C CTAs an SM): full chains, their
+  outputs checked against ``full``'s.
 
 A variant without a launch computes garbage on purpose (stale tables and inputs): it is
 a timing bound, never a kernel. ``full`` minus a variant is the most a rework of the
@@ -50,6 +51,9 @@ import ab_kernels  # noqa: E402
 
 JSON_NAME = "probe_moe_seams.json"
 M_VALUES = "1,2"
+# The in_proj launch bounds the probe tries (786 CTAs of 4 warps: at most 6 an SM
+# keeps them all resident at once on 132 SMs).
+IN_PROJ_MIN_CTAS = (4, 6, 8)
 # Which of the MoE's four launches (router, gate_up, down, combine) each variant runs.
 VARIANTS = {
     "full": (0, 1, 2, 3),
@@ -67,11 +71,16 @@ VARIANTS = {
     # 128 registers a thread, MoeConfig.expert_max_registers; the executor's default
     # since hd.32 takes them at M-buckets 2-8):
     "engine_expert_regs128": (0, 1, 2, 3),
+    # ... with in_proj loading the executor's 3 weight steps before its wait and
+    # launch bounds promising C CTAs an SM (GemmConfig.min_ctas_per_sm; compare
+    # with engine_prewait3):
+    **{f"engine_prewait3_ctas{ctas}": (0, 1, 2, 3) for ctas in IN_PROJ_MIN_CTAS},
 }
 ROUTER = 0
 ENGINE = "engine"
 PREWAIT = "engine_prewait"
 EXPERT_REGS = "engine_expert_regs128"
+BOUNDED_IN_PROJ = "engine_prewait3_ctas"
 # The executor's MoE down first weight batch (decode.MOE_DOWN_PREWAIT_STEPS).
 ENGINE_DOWN_PREWAIT_STEPS = 6
 # The KDA layer's fused input projection (q, k, v, b, f_a, g_a) that follows most MoEs.
@@ -136,6 +145,12 @@ class Chain:
                 c = choose_config(IN_PROJ_ROWS, bm.HIDDEN, bucket, num_sms)
                 config[bucket] = GemmConfig(c.warps_k, c.split_k, c.unroll, steps)
             self.in_proj_prewait[steps] = PreparedGemm(w_in, "plain", config=config)
+        self.in_proj_bounded = {
+            ctas: PreparedGemm(
+                w_in, "plain", config=self.in_proj_prewait[3].configs, min_ctas_per_sm=ctas
+            )
+            for ctas in IN_PROJ_MIN_CTAS
+        }
 
     def run(self, bufs: dict, variant: str) -> None:
         launches = VARIANTS[variant]
@@ -144,7 +159,9 @@ class Chain:
             moe = self.moe_expert_regs
         elif variant.startswith(ENGINE):
             moe = self.moe_engine
-        if variant.startswith(PREWAIT):
+        if variant.startswith(BOUNDED_IN_PROJ):
+            in_proj = self.in_proj_bounded[int(variant.removeprefix(BOUNDED_IN_PROJ))]
+        elif variant.startswith(PREWAIT):
             in_proj = self.in_proj_prewait[int(variant.removeprefix(PREWAIT))]
         sums = moe.input_sums if ROUTER in launches else self.scratch_sums
         self.seam.o_sums.run(bufs["attn"], None, bufs["residual"], bufs["mid"], sums=sums)

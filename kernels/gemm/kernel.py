@@ -59,6 +59,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 
+from ..common.launch_bounds import launch_bounds
 from ..common.rmsnorm import normalized_chunk
 from ..common.skinny_mma import (
     CHUNK,
@@ -157,6 +158,11 @@ class SkinnyGemmKernel:
     global workspace and an atomic ticket per tile).
     ``weight_l2_policy`` (None, "evict_first", "evict_last"): the L2 cache
     policy of W's loads (``WarpRowTileMma``); None emits the plain loads.
+    ``min_ctas_per_sm`` (None: no bound): launch bounds promising ptxas that
+    many CTAs an SM, so that it may use the registers they leave.  Without
+    them it keeps ~42 a thread and a warp's loads one K-step ahead of its MMAs
+    (the KDA in_proj, ptxas 13.5; at 6, 78 registers and ~10 loads ahead,
+    ``docs/perf/gemm_notes.md``).  Same instructions, same outputs.
     """
 
     def __init__(
@@ -177,6 +183,7 @@ class SkinnyGemmKernel:
         cluster_split_k: bool = True,
         weight_l2_policy: str | None = None,
         prewait_steps: int | None = None,
+        min_ctas_per_sm: int | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -212,6 +219,7 @@ class SkinnyGemmKernel:
         )
         self.n_ragged = n % ROWS_PER_TILE != 0
         self.threads = warps_k * WARP_THREADS
+        self.launch_bounds = launch_bounds(min_ctas_per_sm, self.threads)
         self.values_per_lane = 4 * self.halves
         if epilogue == EPILOGUE_SILU_MUL and n % ROWS_PER_TILE:
             raise ValueError(
@@ -300,6 +308,7 @@ class SkinnyGemmKernel:
             smem=smem_bytes,
             stream=stream,
             use_pdl=self.use_pdl,
+            **self.launch_bounds,
         )
 
     # ---------------------------------------------------------------- device

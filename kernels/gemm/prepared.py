@@ -94,6 +94,9 @@ class GemmConfig:
     unroll: int
     # Weight steps a warp loads before griddepcontrol.wait (None: ``unroll``).
     prewait_steps: int | None = None
+    # Launch bounds: the CTAs an SM is promised to hold, so that ptxas may use
+    # the registers they leave (None: no bounds; ``SkinnyGemmKernel``).
+    min_ctas_per_sm: int | None = None
 
 
 def m_bucket_for(m: int) -> int:
@@ -229,6 +232,10 @@ class PreparedGemm:
     prewait_steps: None (default) or the K-steps of weight a warp loads before
     ``griddepcontrol.wait`` in every M-bucket's config (``GemmConfig``; the
     configs' own default is one batch of ``unroll`` steps).
+
+    min_ctas_per_sm: None (default) or the launch bounds of every M-bucket's
+    config (``GemmConfig.min_ctas_per_sm``).  The RMSNorm's grid barrier needs
+    BARRIER_MAX_TILES_PER_SM CTAs an SM, so a smaller bound is refused there.
     """
 
     def __init__(
@@ -243,6 +250,7 @@ class PreparedGemm:
         cluster_split_k: bool = True,
         weight_l2_policy: str | None = None,
         prewait_steps: int | None = None,
+        min_ctas_per_sm: int | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -311,6 +319,11 @@ class PreparedGemm:
                 b: replace(c, prewait_steps=prewait_steps)
                 for b, c in self.configs.items()
             }
+        if min_ctas_per_sm is not None:
+            self.configs = {
+                b: replace(c, min_ctas_per_sm=min_ctas_per_sm)
+                for b, c in self.configs.items()
+            }
         tiles = -(-self.n_packed // ROWS_PER_TILE)
         # The RMSNorm's grid barrier needs every tile of the grid able to wait
         # on the GPU at once.
@@ -319,6 +332,16 @@ class PreparedGemm:
             and tiles <= BARRIER_MAX_TILES_PER_SM * num_sms
             and max(c.warps_k for c in self.configs.values()) <= BARRIER_MAX_WARPS
         )
+        fewest = min(
+            (c.min_ctas_per_sm for c in self.configs.values() if c.min_ctas_per_sm),
+            default=None,
+        )
+        if self.grid_barrier_fits and fewest and fewest < BARRIER_MAX_TILES_PER_SM:
+            raise ValueError(
+                f"min_ctas_per_sm={fewest} would let fewer than "
+                f"{BARRIER_MAX_TILES_PER_SM} CTAs an SM wait at the RMSNorm's grid "
+                "barrier"
+            )
         # FP32 partials [tile, split, lane, 8 values], only read or written
         # when K is split across CTAs through global memory (else a 16-byte
         # placeholder pointer); counters[tile] for split-K tickets (kept in
@@ -389,6 +412,7 @@ class PreparedGemm:
                 cluster_split_k=self.cluster_split_k,
                 weight_l2_policy=self.weight_l2_policy,
                 prewait_steps=c.prewait_steps,
+                min_ctas_per_sm=c.min_ctas_per_sm,
             )  # fmt: skip
             bf16 = _ptr(self.weight, cutlass.BFloat16)
             w, g, p, cnt, sq = self._static_ptrs

@@ -52,6 +52,7 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync
 
+from ..common.launch_bounds import ctas_for_registers, launch_bounds
 from ..common.rmsnorm import normalized_chunk
 from ..common.skinny_mma import (
     CHUNK,
@@ -110,11 +111,6 @@ EARLY_MAX_POLLS = 64
 # Padding (elements) of a shared-memory row of staged down weights: rows 2 KiB
 # apart would put the 8 rows a warp's quads read at once in the same banks.
 EARLY_ROW_PAD = 8
-# ``MoeExpertKernel(max_registers=)``: an SM90 SM's register file, and the shared
-# memory carve-out "no preference" (the driver's default, given so that the
-# compile queries no device for it).
-REGISTERS_PER_SM = 65536
-CARVEOUT_NO_PREFERENCE = -1
 
 
 def early_sync_words(hidden: int) -> int:
@@ -992,18 +988,12 @@ class MoeExpertKernel:
             for h in range(1, self.halves + 1)
         }
         self.threads = warps * WARP_THREADS
-        self.launch_bounds = {}
-        if max_registers is not None:
-            ctas = REGISTERS_PER_SM // (max_registers * self.threads)
-            if ctas < 1:
-                raise ValueError(
-                    f"max_registers={max_registers} leaves no {self.threads}-thread "
-                    "CTA room on an SM"
-                )
-            self.launch_bounds = {
-                "min_blocks_per_mp": ctas,
-                "preferred_smem_carveout": CARVEOUT_NO_PREFERENCE,
-            }
+        self.launch_bounds = launch_bounds(
+            None
+            if max_registers is None
+            else ctas_for_registers(max_registers, self.threads),
+            self.threads,
+        )
 
     def reduction_bytes(self) -> int:
         """Shared memory of the cross-warp reduction every expert CTA ends with."""

@@ -448,17 +448,77 @@ def test_prewait_steps_are_bit_identical(name, epilogue, prewait_steps):
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
         residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
         want = _run_epilogue(base, epilogue, x, residual)
-        got = _run_epilogue(moved, epilogue, x, residual)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            chained = [_run_epilogue(moved, epilogue, x, residual) for _ in range(3)]
-        graph.replay()
-        torch.cuda.synchronize()
         what = f"{name} {epilogue} prewait {prewait_steps} M={m}"
         index = 1 if epilogue == "residual_sumsq" else 0
-        _bits_equal(got[index], want[index], what)
-        for launch in chained:
-            _bits_equal(launch[index], want[index], what + " (graph)")
+        for launch, label in _eager_and_chained(moved, epilogue, x, residual):
+            _bits_equal(launch[index], want[index], what + label)
+
+
+def _eager_and_chained(prepared, epilogue, x, residual):
+    """One eager launch, then three PDL-chained in a graph replayed once: each
+    launch's (out, residual_out, sums) with a label for messages."""
+    eager = _run_epilogue(prepared, epilogue, x, residual)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chained = [_run_epilogue(prepared, epilogue, x, residual) for _ in range(3)]
+    graph.replay()
+    torch.cuda.synchronize()
+    return [(eager, ""), *((launch, " (graph)") for launch in chained)]
+
+
+@pytest.mark.parametrize(
+    "name,epilogue,ctas,prewait",
+    [("kda_in_qkv_b_fa_ga", "plain", 6, 3), ("kda_in_qkv_b_fa_ga", "plain", 4, 3),
+     ("kda_in_qkv_b_fa_ga", "plain", 6, None), ("kda_o_proj", "residual_sumsq", 4, None),
+     ("kda_o_proj", "residual_rmsnorm", 2, None), ("mla_kv_a_proj", "silu_mul", 8, None)],
+)  # fmt: skip
+def test_launch_bounds_are_bit_identical(name, epilogue, ctas, prewait):
+    """Launch bounds (``min_ctas_per_sm``) give ptxas registers, not other
+    instructions: out, residual_out and the sums match the unbounded launch bit
+    for bit at every M-bucket, plain launches and PDL-chained in a graph (the
+    RMSNorm's normed out, whose tiles' sums meet in any order, within the
+    reference's tolerance; through the grid barrier from M = 4). The KDA in_proj
+    also as the executor runs it, 3 weight K-steps before its PDL wait."""
+    w = _weight(name)
+    n, k = w.shape
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"lb/{name}/{ctas}".encode()))
+    gamma = _gamma(n, gen) if epilogue == "residual_rmsnorm" else None
+    base, bounded = (
+        PreparedGemm(
+            w, epilogue, rmsnorm_weight=gamma, eps=EPS, prewait_steps=prewait, min_ctas_per_sm=c
+        )
+        for c in (None, ctas)
+    )
+    assert all(c.min_ctas_per_sm == ctas for c in bounded.configs.values())
+    for m in SPLIT_MS:
+        x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
+        want = _run_epilogue(base, epilogue, x, residual)
+        what = f"{name} {epilogue} min_ctas_per_sm {ctas} M={m}"
+        for launch, label in _eager_and_chained(bounded, epilogue, x, residual):
+            if epilogue == "residual_rmsnorm":
+                _bits_equal(launch[1], want[1], what + label + " residual_out")
+                ref, _ = _reference(epilogue, x, w, residual, gamma)
+                _close(launch[0], ref, what + label + " out")
+            elif epilogue == "residual_sumsq":
+                _bits_equal(launch[1], want[1], what + label + " residual_out")
+                # Tiles add their squares atomically, in any order.
+                torch.testing.assert_close(
+                    launch[2][:m], want[2][:m], rtol=1e-5, atol=0.0, msg=what + label + " sums"
+                )
+            else:
+                _bits_equal(launch[0], want[0], what + label)
+
+
+def test_launch_bounds_below_what_the_grid_barrier_needs_are_refused():
+    w = _weight("kda_o_proj")
+    gamma = _gamma(w.shape[0], torch.Generator(device="cuda").manual_seed(5))
+    with pytest.raises(ValueError, match="min_ctas_per_sm=1 would let fewer than 2 CTAs"):
+        PreparedGemm(w, "residual_rmsnorm", rmsnorm_weight=gamma, min_ctas_per_sm=1)
+    # Without the grid barrier (more tiles than two an SM) any bound is taken.
+    wide = _weight("wide_residual")
+    gamma = _gamma(wide.shape[0], torch.Generator(device="cuda").manual_seed(5))
+    assert PreparedGemm(wide, "residual_rmsnorm", rmsnorm_weight=gamma, min_ctas_per_sm=1)
 
 
 def test_pack_gate_up_layout():

@@ -20,6 +20,7 @@ import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from ptx_dump import compiled_ptx  # noqa: E402
+from sass import compile_sass, needs_sass_tools  # noqa: E402
 
 from kernels.gemm.kernel import (  # noqa: E402
     MAX_CLUSTER_SPLIT_K,
@@ -196,9 +197,12 @@ def test_rejects_configs_that_leave_warps_idle():
         SkinnyGemmKernel(576, 128, 8, "gelu", 1, 1, 8)
 
 
-def _in_proj_kernel(prewait_steps):
+def _in_proj_kernel(prewait_steps, min_ctas_per_sm=None):
     """The KDA in_proj (12576 x 2304, 4 warps, 18 K-steps a warp, unroll 8)."""
-    return SkinnyGemmKernel(12576, 2304, 8, "plain", 4, 1, 8, prewait_steps=prewait_steps)
+    return SkinnyGemmKernel(
+        12576, 2304, 8, "plain", 4, 1, 8, prewait_steps=prewait_steps,
+        min_ctas_per_sm=min_ctas_per_sm,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(("prewait_steps", "loads"), [(None, 16), (0, 0), (3, 6), (6, 12)])
@@ -214,6 +218,41 @@ def test_prewait_steps_set_the_weight_loads_before_the_pdl_wait(tmp_path, prewai
     assert before.count("ld.global.v4") == loads
     # 36 weight loads and 18 activation loads in all.
     assert before.count("ld.global.v4") + after.count("ld.global.v4") == 54
+
+
+def _in_proj_ptx(tmp_path, min_ctas_per_sm):
+    (tmp_path / str(min_ctas_per_sm)).mkdir()
+    call = f"_compile(t._in_proj_kernel(3, {min_ctas_per_sm}))"
+    return compiled_ptx(tmp_path / str(min_ctas_per_sm), "test_gemm_compile", call)
+
+
+def test_launch_bounds_add_the_directive_not_loads_or_mmas(tmp_path):
+    """``min_ctas_per_sm=6`` (the KDA in_proj's 786 CTAs on 132 SMs): the PTX
+    promises 6 CTAs an SM and keeps its loads and MMAs."""
+    plain, bounded = (_in_proj_ptx(tmp_path, ctas) for ctas in (None, 6))
+    assert ".minnctapersm" not in plain
+    assert bounded.count(".minnctapersm 6") == 1
+    for op in ("ld.global.v4", "mma.sync", "st.global"):
+        assert bounded.count(op) == plain.count(op), op
+
+
+@needs_sass_tools
+def test_launch_bounds_keep_more_weight_loads_ahead_of_the_first_mma(tmp_path):
+    """The KDA in_proj (3 pre-wait K-steps): without bounds ptxas 13.5 keeps 42
+    registers and one load after the wait ahead of the first MMA (7 in all);
+    promised 6 CTAs an SM it may use 85 and keeps more ahead, spilling nothing."""
+    plain, bounded = (
+        compile_sass(tmp_path, _in_proj_ptx(tmp_path, ctas), str(ctas)) for ctas in (None, 6)
+    )
+    assert bounded.registers <= 65536 // (6 * 128) and bounded.spill_bytes == 0
+    ahead = [sass.loads_before_first_mma() for sass in (plain, bounded)]
+    assert ahead[1] > ahead[0], ahead
+
+
+@pytest.mark.parametrize("ctas", [0, 17])
+def test_launch_bounds_beyond_an_sm_are_refused(ctas):
+    with pytest.raises(ValueError, match=f"min_ctas_per_sm={ctas} outside 1..16"):
+        _in_proj_kernel(3, ctas)
 
 
 def test_prewait_steps_outside_the_warps_k_range_are_refused():

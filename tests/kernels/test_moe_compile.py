@@ -12,8 +12,6 @@ with the reason where nvidia-cutlass-dsl is not installed.
 import collections
 import os
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -24,6 +22,7 @@ import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from ptx_dump import compiled_ir, compiled_ptx  # noqa: E402
+from sass import compile_sass, needs_sass_tools  # noqa: E402
 
 from kernels.moe.kernel import (  # noqa: E402
     MAX_CLUSTER_TILES,
@@ -439,51 +438,17 @@ def _opcodes(ptx: str) -> collections.Counter:
     return ops
 
 
-def _sass_tools():
-    """ptxas and nvdisasm of the wheel's CUDA (nvidia-cuda-nvcc), or None."""
-    try:
-        import nvidia
-    except ImportError:
-        return None
-    for root in map(Path, nvidia.__path__):
-        tools = (root / "cu13" / "bin" / "ptxas", root / "cu13" / "bin" / "nvdisasm")
-        if all(tool.exists() for tool in tools):
-            return tools
-    return None
-
-
-def _loads_before_first_mma_after_trigger(tmp_path, ptx: str, name: str):
-    """(registers, 16-byte global loads between gate_up's dependents trigger
-    (PREEXIT, after its wait) and the next MMA): how much of a routed unit's
-    first batch ptxas keeps ahead of its first MMA."""
-    ptxas, nvdisasm = _sass_tools()
-    source, cubin = tmp_path / f"{name}.ptx", tmp_path / f"{name}.cubin"
-    source.write_text(ptx)
-    info = subprocess.run(
-        [ptxas, "-arch=sm_90a", "-v", source, "-o", cubin],
-        capture_output=True, text=True, check=True,
-    ).stderr  # fmt: skip
-    registers = int(re.search(r"Used (\d+) registers", info)[1])
-    sass = subprocess.run(
-        [nvdisasm, "-c", cubin], capture_output=True, text=True, check=True
-    ).stdout
-    routed = sass[sass.index("PREEXIT") :]
-    return registers, routed[: routed.index("HMMA")].count("LDG.E.128")
-
-
-@pytest.mark.skipif(_sass_tools() is None, reason="no ptxas / nvdisasm (nvidia-cuda-nvcc)")
+@needs_sass_tools
 def test_expert_launch_bounds_keep_more_of_a_batch_ahead_of_its_first_mma(tmp_path):
     """gate_up at M-bucket 1: with 128 registers allowed, ptxas keeps more of a
     routed unit's 16 weight and 8 activation loads ahead of its first MMA than
-    without bounds (SASS of the wheel's ptxas), within two CTAs an SM."""
-    plain = _loads_before_first_mma_after_trigger(
-        tmp_path, _expert_ptx(tmp_path, "gate_up", None), "plain"
-    )
-    bounded = _loads_before_first_mma_after_trigger(
-        tmp_path, _expert_ptx(tmp_path, "gate_up", 128), "bounded"
-    )
-    assert bounded[0] <= 128
-    assert bounded[1] > plain[1], (plain, bounded)
+    without bounds (SASS of the wheel's ptxas), within two CTAs an SM.  A routed
+    unit loads after gate_up's dependents trigger (PREEXIT, after its wait)."""
+    plain = compile_sass(tmp_path, _expert_ptx(tmp_path, "gate_up", None), "plain")
+    bounded = compile_sass(tmp_path, _expert_ptx(tmp_path, "gate_up", 128), "bounded")
+    assert bounded.registers <= 128
+    ahead = [sass.loads_before_first_mma("PREEXIT") for sass in (plain, bounded)]
+    assert ahead[1] > ahead[0], ahead
 
 
 def _bucket_expert_ptx(tmp_path, stage, bucket, max_registers):
@@ -505,19 +470,7 @@ def _bucket_expert_kernel(stage, bucket, max_registers):
     return cute.compile(kern, BF16, BF16, BF16, I32, out, M, STREAM)
 
 
-def _spill_bytes(tmp_path, ptx: str, name: str) -> int:
-    """Bytes of local-memory spill stores the wheel's ptxas reports for ``ptx``."""
-    ptxas, _ = _sass_tools()
-    source = tmp_path / f"{name}.ptx"
-    source.write_text(ptx)
-    info = subprocess.run(
-        [ptxas, "-arch=sm_90a", "-v", source, "-o", tmp_path / f"{name}.cubin"],
-        capture_output=True, text=True, check=True,
-    ).stderr  # fmt: skip
-    return int(re.search(r"(\d+) bytes spill stores", info)[1])
-
-
-@pytest.mark.skipif(_sass_tools() is None, reason="no ptxas / nvdisasm (nvidia-cuda-nvcc)")
+@needs_sass_tools
 @pytest.mark.parametrize("stage", ["gate_up", "down"])
 def test_expert_launch_bounds_spill_nothing_up_to_m_bucket_8_and_do_at_16(tmp_path, stage):
     """128 registers a thread, the executor's bound at M-buckets 2-8: the 4-warp
@@ -525,8 +478,9 @@ def test_expert_launch_bounds_spill_nothing_up_to_m_bucket_8_and_do_at_16(tmp_pa
     bytes), which is why the executor leaves bucket 16 unbounded."""
     for bucket in (2, 4, 8):
         ptx = _bucket_expert_ptx(tmp_path, stage, bucket, 128)
-        assert _spill_bytes(tmp_path, ptx, f"{stage}-{bucket}") == 0, bucket
-    assert _spill_bytes(tmp_path, _bucket_expert_ptx(tmp_path, stage, 16, 128), "16") > 0
+        assert compile_sass(tmp_path, ptx, f"{stage}-{bucket}").spill_bytes == 0, bucket
+    ptx = _bucket_expert_ptx(tmp_path, stage, 16, 128)
+    assert compile_sass(tmp_path, ptx, "16").spill_bytes > 0
 
 
 def test_expert_launch_bounds_must_leave_a_cta_room():

@@ -1167,7 +1167,7 @@ def test_the_kernel_factory_names_the_switch_when_a_gemm_cannot_take_its_steps(
     with pytest.raises(
         ValueError,
         match=r"VLLM_HD_GEMM_PREWAIT='12576x2304:20': the 12576x2304 GEMM cannot take "
-        r"20 pre-wait K-steps: prewait_steps=20 outside 0..18",
+        r"them: prewait_steps=20 outside 0..18",
     ):
         factory.gemm(torch.empty(12576, 2304))
     # Without the switch the kernel's own message is not rewritten.
@@ -1188,6 +1188,72 @@ def test_a_gemm_prewait_shape_no_gemm_has_fails_at_start(monkeypatch):
     # The stand-in model's own shapes are listed, the asked one is not.
     listed = message.rsplit("are ", 1)[1].split(", ")
     assert listed and "12576x2304" not in listed
+
+
+@pytest.mark.parametrize(
+    ("environ", "ctas"),
+    [({}, {}), ({"VLLM_HD_GEMM_MIN_CTAS": ""}, {}),
+     ({"VLLM_HD_GEMM_MIN_CTAS": "12576x2304:6"}, {(12576, 2304): 6}),
+     ({"VLLM_HD_GEMM_MIN_CTAS": "12576x2304:16,2304x4096:1"},
+      {(12576, 2304): 16, (2304, 4096): 1})],
+)  # fmt: skip
+def test_the_gemm_min_ctas_switch(environ, ctas):
+    assert decode.gemm_min_ctas_from_env(environ) == ctas
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["12576x2304:0", "12576x2304:17", "12576x2304:06", "12576x2304", "12576x2304:6,",
+     "12576x2304:6,12576x2304:4", "x2304:6", "6"],
+)  # fmt: skip
+def test_other_gemm_min_ctas_values_fail_at_start_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VLLM_HD_GEMM_MIN_CTAS", value)
+    with pytest.raises(ValueError, match=f"VLLM_HD_GEMM_MIN_CTAS={value!r}: expected NxK:C"):
+        decode.check_environment()
+    with pytest.raises(ValueError, match="VLLM_HD_GEMM_MIN_CTAS"):
+        decode.KernelFactory()
+
+
+def test_the_kernel_factory_hands_the_min_ctas_to_the_named_gemm(monkeypatch):
+    prepared = pytest.importorskip(
+        "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.gemm.prepared",
+        reason="CuTe DSL is not installed",
+    )
+    monkeypatch.setattr(prepared, "PreparedGemm", lambda *args, **kwargs: kwargs)
+    assert decode.KernelFactory().gemm(torch.empty(12576, 2304))["min_ctas_per_sm"] is None
+    monkeypatch.setenv("VLLM_HD_GEMM_MIN_CTAS", "12576x2304:6")
+    factory = decode.KernelFactory(clusters=True)
+    taken = factory.gemm(torch.empty(12576, 2304), prewait_steps=3)
+    assert (taken["min_ctas_per_sm"], taken["prewait_steps"]) == (6, 3)
+    assert factory.gemm(torch.empty(2304, 4096))["min_ctas_per_sm"] is None
+
+
+def test_the_kernel_factory_names_the_min_ctas_switch_when_a_gemm_cannot_take_it(
+    monkeypatch,
+):
+    prepared = pytest.importorskip(
+        "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.gemm.prepared",
+        reason="CuTe DSL is not installed",
+    )
+
+    def refuse(weight, *args, min_ctas_per_sm=None, **kwargs):
+        if min_ctas_per_sm == 1:
+            raise ValueError("min_ctas_per_sm=1 would let fewer than 2 CTAs an SM wait")
+
+    monkeypatch.setattr(prepared, "PreparedGemm", refuse)
+    monkeypatch.setenv("VLLM_HD_GEMM_MIN_CTAS", "2304x4096:1")
+    with pytest.raises(
+        ValueError,
+        match=r"^VLLM_HD_GEMM_MIN_CTAS='2304x4096:1': the 2304x4096 GEMM cannot take "
+        r"them: min_ctas_per_sm=1 would",
+    ):
+        decode.KernelFactory(clusters=True).gemm(torch.empty(2304, 4096))
+
+
+def test_a_gemm_min_ctas_shape_no_gemm_has_fails_at_start(monkeypatch):
+    monkeypatch.setenv("VLLM_HD_GEMM_MIN_CTAS", "12576x2304:6")
+    with pytest.raises(ValueError, match=r"^VLLM_HD_GEMM_MIN_CTAS='12576x2304:6' names "):
+        build()
 
 
 def test_a_gemm_prewait_shape_the_model_has_passes_the_start_check(monkeypatch):

@@ -192,26 +192,60 @@ MOE_DOWN_PREWAIT_STEPS = 6
 GEMM_PREWAIT_ENV = "VLLM_HD_GEMM_PREWAIT"
 
 
+def _gemm_shape_values_from_env(
+    name: str, environ: dict[str, str] | None, value_pattern: str, expected: str
+) -> dict[tuple[int, int], int]:
+    """{(N, K) of a weight: value} from the variable ``name`` as
+    "NxK:V[,NxK:V...]" with V matching ``value_pattern`` ({} if unset or
+    empty); raises, naming the variable and ``expected``, on another value."""
+    value = (os.environ if environ is None else environ).get(name)
+    if not value:
+        return {}
+    values: dict[tuple[int, int], int] = {}
+    for item in value.split(","):
+        match = re.fullmatch(rf"([1-9][0-9]*)x([1-9][0-9]*):({value_pattern})", item)
+        shape = (int(match[1]), int(match[2])) if match else None
+        if shape is None or shape in values:
+            raise ValueError(f"{name}={value!r}: expected {expected} (or unset)")
+        values[shape] = int(match[3])
+    return values
+
+
 def gemm_prewait_from_env(
     environ: dict[str, str] | None = None,
 ) -> dict[tuple[int, int], int]:
     """{(N, K) of a weight: pre-wait K-steps} as ``GEMM_PREWAIT_ENV`` asks ({}
     if unset or empty); raises, naming the variable, on another value."""
-    value = (os.environ if environ is None else environ).get(GEMM_PREWAIT_ENV)
-    if not value:
-        return {}
-    steps: dict[tuple[int, int], int] = {}
-    for item in value.split(","):
-        match = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*):([0-9]|[1-9][0-9])", item)
-        shape = (int(match[1]), int(match[2])) if match else None
-        if shape is None or shape in steps:
-            raise ValueError(
-                f"{GEMM_PREWAIT_ENV}={value!r}: expected NxK:S[,NxK:S...], a GEMM's "
-                "weight shape (each once) and the K-steps S (0-99) its warps load "
-                "before the PDL wait (or unset)"
-            )
-        steps[shape] = int(match[3])
-    return steps
+    return _gemm_shape_values_from_env(
+        GEMM_PREWAIT_ENV,
+        environ,
+        "[0-9]|[1-9][0-9]",
+        "NxK:S[,NxK:S...], a GEMM's weight shape (each once) and the K-steps S "
+        "(0-99) its warps load before the PDL wait",
+    )
+
+
+# Launch bounds of GEMMs by weight shape, for A/Bs: "NxK:C[,NxK:C...]" promises
+# ptxas C CTAs an SM for that shape's launches (1-16 for the 4-warp CTAs, e.g.
+# "12576x2304:6", the KDA in_proj, whose 786 CTAs then all still fit at once), so
+# it may keep more of a warp's weight loads in flight (docs/perf/gemm_notes.md).
+# Unset or empty: no bounds. Outputs are bit-identical (tests/kernels/test_gemm.py).
+GEMM_MIN_CTAS_ENV = "VLLM_HD_GEMM_MIN_CTAS"
+
+
+def gemm_min_ctas_from_env(
+    environ: dict[str, str] | None = None,
+) -> dict[tuple[int, int], int]:
+    """{(N, K) of a weight: CTAs an SM its launch bounds promise} as
+    ``GEMM_MIN_CTAS_ENV`` asks ({} if unset or empty); raises, naming the
+    variable, on another value."""
+    return _gemm_shape_values_from_env(
+        GEMM_MIN_CTAS_ENV,
+        environ,
+        "[1-9]|1[0-6]",
+        "NxK:C[,NxK:C...], a GEMM's weight shape (each once) and the CTAs C "
+        "(1-16) an SM its launch bounds promise",
+    )
 
 
 # The same for the MoE expert launches, for A/Bs: "G,D", the K-steps of gate_up's
@@ -411,6 +445,7 @@ def check_environment() -> None:
     expert_l2_policy_from_env()
     moe_expert_warps_from_env()
     gemm_prewait_from_env()
+    gemm_min_ctas_from_env()
     moe_prewait_from_env()
     moe_expert_registers_from_env()
     moe_early_shared_down_from_env()
@@ -447,8 +482,9 @@ class KernelFactory:
             moe_expert_warps = moe_expert_warps_from_env()
         self.moe_expert_warps = moe_expert_warps
         self.gemm_prewait = gemm_prewait_from_env()
-        # The weight shapes of the GEMMs built so far: check_gemm_prewait_matched
-        # names these when the switch asks for a shape that is not among them.
+        self.gemm_min_ctas = gemm_min_ctas_from_env()
+        # The weight shapes of the GEMMs built so far: check_gemm_shapes_matched
+        # names these when a switch asks for a shape that is not among them.
         self.gemm_shapes: set[tuple[int, int]] = set()
         self.moe_prewait = moe_prewait_from_env()
         self.moe_expert_registers = moe_expert_registers_from_env()
@@ -522,6 +558,15 @@ class KernelFactory:
                 GEMM_PREWAIT_ENV,
                 KDA_IN_PROJ_PREWAIT_STEPS,
             )
+        if self.gemm_min_ctas:
+            logger.info(
+                "Kimi-Linear specialized decode: GEMM launch bounds of %s CTAs an SM "
+                "(%s)",
+                ", ".join(
+                    f"{c} ({n} x {k})" for (n, k), c in self.gemm_min_ctas.items()
+                ),
+                GEMM_MIN_CTAS_ENV,
+            )
         gate_up_warps, down_warps, warps_max_bucket = self.moe_expert_warps
         logger.info(
             "Kimi-Linear specialized decode: MoE expert CTAs of %d (gate_up) and %d "
@@ -561,12 +606,13 @@ class KernelFactory:
     ) -> Any:
         """``prewait_steps``: the weight K-steps a warp loads before its PDL wait
         (None: the config's ``unroll``); ``GEMM_PREWAIT_ENV`` overrides it by the
-        weight's shape."""
+        weight's shape, and ``GEMM_MIN_CTAS_ENV`` adds launch bounds by shape."""
         from ..cutedsl.gemm.prepared import PreparedGemm
 
         shape = tuple(weight.shape)
         self.gemm_shapes.add(shape)
         asked = self.gemm_prewait.get(shape)
+        min_ctas = self.gemm_min_ctas.get(shape)
         try:
             return PreparedGemm(
                 weight,
@@ -575,14 +621,19 @@ class KernelFactory:
                 eps=eps,
                 cluster_split_k=self.clusters,
                 prewait_steps=prewait_steps if asked is None else asked,
+                min_ctas_per_sm=min_ctas,
             )
         except ValueError as err:
-            if asked is None:
+            if asked is None and min_ctas is None:
                 raise
+            asked_by = ((GEMM_PREWAIT_ENV, asked), (GEMM_MIN_CTAS_ENV, min_ctas))
+            switches = ", ".join(
+                f"{name}={os.environ.get(name, '')!r}"
+                for name, value in asked_by
+                if value is not None
+            )
             raise ValueError(
-                f"{GEMM_PREWAIT_ENV}={os.environ.get(GEMM_PREWAIT_ENV, '')!r}: "
-                f"the {shape[0]}x{shape[1]} GEMM cannot take {asked} pre-wait "
-                f"K-steps: {err}"
+                f"{switches}: the {shape[0]}x{shape[1]} GEMM cannot take them: {err}"
             ) from err
 
     def kernel_cache_note(self) -> str:
@@ -599,18 +650,22 @@ class KernelFactory:
             f"{stats.write_failures} not written (this process)"
         )
 
-    def check_gemm_prewait_matched(self) -> None:
-        """Raise if ``GEMM_PREWAIT_ENV`` names a weight shape that no GEMM built
-        by this factory has (a mistyped shape would leave an A/B measuring the
-        defaults)."""
-        unmatched = sorted(set(self.gemm_prewait) - self.gemm_shapes)
-        if unmatched:
-            raise ValueError(
-                f"{GEMM_PREWAIT_ENV}={os.environ.get(GEMM_PREWAIT_ENV, '')!r} names "
-                f"{', '.join(f'{n}x{k}' for n, k in unmatched)}, which no GEMM of "
-                "this model has; its GEMMs' weight shapes are "
-                f"{', '.join(f'{n}x{k}' for n, k in sorted(self.gemm_shapes))}"
-            )
+    def check_gemm_shapes_matched(self) -> None:
+        """Raise if ``GEMM_PREWAIT_ENV`` or ``GEMM_MIN_CTAS_ENV`` names a weight
+        shape that no GEMM built by this factory has (a mistyped shape would leave
+        an A/B measuring the defaults)."""
+        for name, asked in (
+            (GEMM_PREWAIT_ENV, self.gemm_prewait),
+            (GEMM_MIN_CTAS_ENV, self.gemm_min_ctas),
+        ):
+            unmatched = sorted(set(asked) - self.gemm_shapes)
+            if unmatched:
+                raise ValueError(
+                    f"{name}={os.environ.get(name, '')!r} names "
+                    f"{', '.join(f'{n}x{k}' for n, k in unmatched)}, which no GEMM of "
+                    "this model has; its GEMMs' weight shapes are "
+                    f"{', '.join(f'{n}x{k}' for n, k in sorted(self.gemm_shapes))}"
+                )
 
     def grouped_gemm(self, weight: torch.Tensor) -> Any:
         from ..cutedsl.gemm.prepared import PreparedGroupedGemm
@@ -1212,7 +1267,7 @@ class KimiLinearDecodeExecutor:
         self.plan: list[Step] = []
         self._output = ""
         self._build_plan()
-        self.kernels.check_gemm_prewait_matched()
+        self.kernels.check_gemm_shapes_matched()
         kernel_extra = sum(
             int(getattr(k, "extra_bytes", 0)) + int(getattr(k, "workspace_bytes", 0))
             for k in self._kernels.values()
