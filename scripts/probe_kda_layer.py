@@ -35,7 +35,7 @@ and the engine A/Bs of 2026-12-03 and 2026-12-04 lost exactly there. Variants:
   in the engine);
 * ``expert_regs128``: the MoE expert launches of M-buckets 2-8 with launch bounds
   of 128 registers a thread (``MoeConfig.expert_max_registers``; the executor's
-  default since hd.32, ``VLLM_HD_MOE_EXPERT_REGISTERS=0`` turns it off);
+  default in hd.32-33 only, ``VLLM_HD_MOE_EXPERT_REGISTERS=128:2-8``);
   ``early2`` / ``early2_expert_regs128``: the early shared down at M-bucket 2 only
   (the executor's default since hd.29), without and with those bounds;
 * ``in_proj_ctasC``: in_proj with launch bounds of C CTAs an SM

@@ -69,7 +69,7 @@ VARIANTS = {
     **{f"engine_prewait{steps}": (0, 1, 2, 3) for steps in range(8)},
     # ... with launch bounds on its expert launches at every M-bucket (ptxas may use
     # 128 registers a thread, MoeConfig.expert_max_registers; the executor's default
-    # since hd.32 takes them at M-buckets 2-8):
+    # at M-buckets 2-8 in hd.32-33 only: slower in the engine):
     "engine_expert_regs128": (0, 1, 2, 3),
     # ... with in_proj loading the executor's 3 weight steps before its wait and
     # launch bounds promising C CTAs an SM (GemmConfig.min_ctas_per_sm; compare

@@ -1078,13 +1078,9 @@ def test_other_moe_expert_warps_fail_at_start_naming_the_variable(monkeypatch, v
 def test_the_kernel_factory_hands_the_expert_warps_to_the_moe(monkeypatch, moe_prepared):
     monkeypatch.delenv("VLLM_HD_MOE_EXPERT_WARPS", raising=False)
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
-    # The executor's MoE also runs the shared expert's down early at M-bucket 2 and
-    # bounds its expert launches' registers at M-buckets 2-8.
-    early = dict(
-        early_shared_down_min_bucket=2, early_shared_down_max_bucket=2,
-        expert_max_registers=128, expert_registers_min_bucket=2,
-        expert_registers_max_bucket=8,
-    )  # fmt: skip
+    # The executor's MoE also runs the shared expert's down early at M-bucket 2; its
+    # expert launches take no launch bounds.
+    early = dict(early_shared_down_min_bucket=2, early_shared_down_max_bucket=2)
     assert config == moe_prepared.MoeConfig(
         warps=8, down_warps=4, warps_max_bucket=1,
         down_prewait_steps=decode.MOE_DOWN_PREWAIT_STEPS, **early,
@@ -1296,7 +1292,7 @@ def test_the_kernel_factory_hands_the_moe_prewait_to_the_moe(monkeypatch, moe_pr
 
 @pytest.mark.parametrize(
     ("environ", "bounds"),
-    [({}, (128, 2, 8)), ({"VLLM_HD_MOE_EXPERT_REGISTERS": ""}, (128, 2, 8)),
+    [({}, None), ({"VLLM_HD_MOE_EXPERT_REGISTERS": ""}, None),
      ({"VLLM_HD_MOE_EXPERT_REGISTERS": "0"}, None),
      ({"VLLM_HD_MOE_EXPERT_REGISTERS": "128"}, (128, 1, 16)),
      ({"VLLM_HD_MOE_EXPERT_REGISTERS": "64"}, (64, 1, 16)),
@@ -1324,6 +1320,9 @@ def test_other_moe_expert_registers_values_fail_at_start_naming_the_variable(mon
 
 
 def test_the_kernel_factory_hands_the_moe_expert_registers_to_the_moe(monkeypatch, moe_prepared):
+    config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
+    assert [config.expert_registers(b) for b in (1, 2, 4, 8, 16)] == [None] * 5
+    monkeypatch.setenv("VLLM_HD_MOE_EXPERT_REGISTERS", "128:2-8")
     config = decode.KernelFactory(clusters=True).moe(top_k=8)["config"]
     assert [config.expert_registers(b) for b in (1, 2, 4, 8, 16)] == [None, 128, 128, 128, None]
     monkeypatch.setenv("VLLM_HD_MOE_EXPERT_REGISTERS", "160")

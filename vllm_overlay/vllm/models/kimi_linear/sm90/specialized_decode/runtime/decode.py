@@ -278,19 +278,19 @@ def moe_prewait_from_env(
     )
 
 
-# The MoE expert launches' launch bounds: "R" lets ptxas use up to R registers a
-# thread (64-255; 128 keeps two 8-warp or four 4-warp CTAs an SM), so it keeps more of
-# a weight batch's loads ahead of the first MMA. Unset (or empty) the default, 128 at
-# M-buckets 2-8: on one H100 (2026-12-06, scripts/probe_moe_seams.py) the MoE layer
-# took 1.4-1.8 us less at 2 tokens, 2.9-4.0 at 3-4 and 7.0-7.4 at 8, but 0.5 us more
-# at 1 and 13-14 more at 16 (bounded, its 4-warp launches spill there: ptxas 13.5,
-# tests/kernels/test_moe_compile.py); for A/Bs "0" none, "R" every bucket, "R:B"
-# buckets 1 to B, "R:A-B" buckets A to B (A <= B, each of 1, 2, 4, 8, 16). The PTX
+# The MoE expert launches' launch bounds, for A/Bs: "R" lets ptxas use up to R
+# registers a thread (64-255; 128 keeps two 8-warp or four 4-warp CTAs an SM), so it
+# keeps more of a weight batch's loads ahead of the first MMA; "R:B" at M-buckets 1 to
+# B, "R:A-B" at buckets A to B (A <= B, each of 1, 2, 4, 8, 16). Unset, empty or "0":
+# none. 128 at buckets 2-8 made the MoE layer 1.4-7.4 us faster in the MoE chain probe
+# (one H100, scripts/probe_moe_seams.py), but the engine slower: on one H200
+# (2026-12-06, the specialized engine with and without them, one process each) GPU busy
+# per median step +11 us at N = 2 and the step +31 / +36 / +17 us at N = 2 / 4 / 8
+# (docs/perf/moe_notes.md, "The expert launch bounds in the engine"). The PTX
 # instructions are the same: outputs are bit-identical (tests/kernels/test_moe.py).
 MOE_EXPERT_REGISTERS_ENV = "VLLM_HD_MOE_EXPERT_REGISTERS"
 MOE_EXPERT_REGISTERS_RANGE = (64, 255)
 MOE_EXPERT_REGISTERS_BUCKETS = (1, 2, 4, 8, 16)
-MOE_EXPERT_REGISTERS_DEFAULT = (128, 2, 8)
 
 
 def moe_expert_registers_from_env(
@@ -300,9 +300,7 @@ def moe_expert_registers_from_env(
     as ``MOE_EXPERT_REGISTERS_ENV`` asks (None: no bounds); raises, naming the
     variable, on another value."""
     value = (os.environ if environ is None else environ).get(MOE_EXPERT_REGISTERS_ENV)
-    if not value:
-        return MOE_EXPERT_REGISTERS_DEFAULT
-    if value == "0":
+    if not value or value == "0":
         return None
     registers, sep, span = value.partition(":")
     every = str(MOE_EXPERT_REGISTERS_BUCKETS[-1])
@@ -318,7 +316,7 @@ def moe_expert_registers_from_env(
             f"registers a thread ({fewest}-{most}) the MoE expert launches of every "
             "M-bucket, of buckets 1 to B or of buckets A to B (A <= B, among "
             f"{', '.join(map(str, MOE_EXPERT_REGISTERS_BUCKETS))}) may use (or unset: "
-            "128 at buckets 2-8)"
+            "none)"
         )
     return int(registers), *buckets
 
@@ -709,9 +707,14 @@ class KernelFactory:
 
         gate_up_warps, down_warps, warps_max_bucket = self.moe_expert_warps
         early_min_bucket, early_max_bucket = self.moe_early_shared_down or (1, 0)
-        registers, registers_min_bucket, registers_max_bucket = (
-            self.moe_expert_registers or (None, 1, 0)
-        )
+        bounds = {}
+        if self.moe_expert_registers is not None:
+            registers, low, high = self.moe_expert_registers
+            bounds = dict(
+                expert_max_registers=registers,
+                expert_registers_min_bucket=low,
+                expert_registers_max_bucket=high,
+            )
         return PreparedMoe(
             **kwargs,
             config=MoeConfig(
@@ -722,9 +725,7 @@ class KernelFactory:
                 down_prewait_steps=self.moe_prewait[1],
                 early_shared_down_min_bucket=early_min_bucket,
                 early_shared_down_max_bucket=early_max_bucket,
-                expert_max_registers=registers,
-                expert_registers_min_bucket=registers_min_bucket,
-                expert_registers_max_bucket=registers_max_bucket,
+                **bounds,
             ),
             router_cluster=self.clusters,
             expert_weight_l2_policy=self.expert_l2_policy[0],
