@@ -17,6 +17,7 @@ concurrently on two streams.
 """
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
@@ -101,6 +102,25 @@ class GemmConfig:
 
 def m_bucket_for(m: int) -> int:
     return TOKENS_PER_MMA if m <= TOKENS_PER_MMA else MAX_TOKENS
+
+
+def launch_bounds_by_bucket(
+    min_ctas_per_sm: int | dict[int, int] | None, buckets: Iterable[int]
+) -> dict[int, int]:
+    """{M-bucket: CTAs an SM} of ``min_ctas_per_sm``: one bound for every one of
+    ``buckets``, or {bucket: bound} for some of them (a bucket not among
+    ``buckets`` raises); {} for None."""
+    buckets = sorted(buckets)
+    if min_ctas_per_sm is None:
+        return {}
+    if isinstance(min_ctas_per_sm, int):
+        return dict.fromkeys(buckets, min_ctas_per_sm)
+    unknown = sorted(set(min_ctas_per_sm) - set(buckets))
+    if unknown:
+        raise ValueError(
+            f"min_ctas_per_sm names M-buckets {unknown}; the GEMM's are {buckets}"
+        )
+    return dict(min_ctas_per_sm)
 
 
 def choose_config(n: int, k: int, m_bucket: int, num_sms: int) -> GemmConfig:
@@ -233,9 +253,11 @@ class PreparedGemm:
     ``griddepcontrol.wait`` in every M-bucket's config (``GemmConfig``; the
     configs' own default is one batch of ``unroll`` steps).
 
-    min_ctas_per_sm: None (default) or the launch bounds of every M-bucket's
-    config (``GemmConfig.min_ctas_per_sm``).  The RMSNorm's grid barrier needs
-    BARRIER_MAX_TILES_PER_SM CTAs an SM, so a smaller bound is refused there.
+    min_ctas_per_sm: None (default), the launch bounds of every M-bucket's
+    config (``GemmConfig.min_ctas_per_sm``), or {M-bucket: bound} for some of
+    them (buckets TOKENS_PER_MMA and MAX_TOKENS).  The RMSNorm's grid barrier
+    needs BARRIER_MAX_TILES_PER_SM CTAs an SM, so a smaller bound is refused
+    there.
     """
 
     def __init__(
@@ -250,7 +272,7 @@ class PreparedGemm:
         cluster_split_k: bool = True,
         weight_l2_policy: str | None = None,
         prewait_steps: int | None = None,
-        min_ctas_per_sm: int | None = None,
+        min_ctas_per_sm: int | dict[int, int] | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
@@ -319,11 +341,11 @@ class PreparedGemm:
                 b: replace(c, prewait_steps=prewait_steps)
                 for b, c in self.configs.items()
             }
-        if min_ctas_per_sm is not None:
-            self.configs = {
-                b: replace(c, min_ctas_per_sm=min_ctas_per_sm)
-                for b, c in self.configs.items()
-            }
+        bounds = launch_bounds_by_bucket(min_ctas_per_sm, self.configs)
+        self.configs = {
+            b: replace(c, min_ctas_per_sm=bounds[b]) if b in bounds else c
+            for b, c in self.configs.items()
+        }
         tiles = -(-self.n_packed // ROWS_PER_TILE)
         # The RMSNorm's grid barrier needs every tile of the grid able to wait
         # on the GPU at once.

@@ -470,7 +470,8 @@ def _eager_and_chained(prepared, epilogue, x, residual):
     "name,epilogue,ctas,prewait",
     [("kda_in_qkv_b_fa_ga", "plain", 6, 3), ("kda_in_qkv_b_fa_ga", "plain", 4, 3),
      ("kda_in_qkv_b_fa_ga", "plain", 6, None), ("kda_o_proj", "residual_sumsq", 4, None),
-     ("kda_o_proj", "residual_rmsnorm", 2, None), ("mla_kv_a_proj", "silu_mul", 8, None)],
+     ("kda_o_proj", "residual_rmsnorm", 2, None), ("mla_kv_a_proj", "silu_mul", 8, None),
+     ("kda_in_qkv_b_fa_ga", "plain", {16: 4}, 3), ("dense_gate_up", "silu_mul", {16: 4}, None)],
 )  # fmt: skip
 def test_launch_bounds_are_bit_identical(name, epilogue, ctas, prewait):
     """Launch bounds (``min_ctas_per_sm``) give ptxas registers, not other
@@ -478,7 +479,9 @@ def test_launch_bounds_are_bit_identical(name, epilogue, ctas, prewait):
     for bit at every M-bucket, plain launches and PDL-chained in a graph (the
     RMSNorm's normed out, whose tiles' sums meet in any order, within the
     reference's tolerance; through the grid barrier from M = 4). The KDA in_proj
-    also as the executor runs it, 3 weight K-steps before its PDL wait."""
+    also as the executor runs it, 3 weight K-steps before its PDL wait, and
+    bounds at M-bucket 16 only ({bucket: C}, the executor's for in_proj and the
+    dense gate_up)."""
     w = _weight(name)
     n, k = w.shape
     gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(f"lb/{name}/{ctas}".encode()))
@@ -489,7 +492,10 @@ def test_launch_bounds_are_bit_identical(name, epilogue, ctas, prewait):
         )
         for c in (None, ctas)
     )
-    assert all(c.min_ctas_per_sm == ctas for c in bounded.configs.values())
+    want = ctas if isinstance(ctas, dict) else dict.fromkeys(bounded.configs, ctas)
+    assert {b: c.min_ctas_per_sm for b, c in bounded.configs.items()} == {
+        b: want.get(b) for b in bounded.configs
+    }
     for m in SPLIT_MS:
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
         residual = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
@@ -508,6 +514,11 @@ def test_launch_bounds_are_bit_identical(name, epilogue, ctas, prewait):
                 )
             else:
                 _bits_equal(launch[0], want[0], what + label)
+
+
+def test_launch_bounds_of_an_m_bucket_the_gemm_has_not_are_refused():
+    with pytest.raises(ValueError, match=r"min_ctas_per_sm names M-buckets \[4\]; the GEMM's"):
+        PreparedGemm(_weight("kda_o_proj"), min_ctas_per_sm={4: 4, 16: 4})
 
 
 def test_launch_bounds_below_what_the_grid_barrier_needs_are_refused():

@@ -28,6 +28,7 @@ from kernels.gemm.kernel import (  # noqa: E402
     SkinnyGemmKernel,
     uses_cluster_split_k,
 )
+from kernels.gemm.prepared import launch_bounds_by_bucket  # noqa: E402
 
 
 def _ptr(dtype):
@@ -247,6 +248,18 @@ def test_launch_bounds_keep_more_weight_loads_ahead_of_the_first_mma(tmp_path):
     assert bounded.registers <= 65536 // (6 * 128) and bounded.spill_bytes == 0
     ahead = [sass.loads_before_first_mma() for sass in (plain, bounded)]
     assert ahead[1] > ahead[0], ahead
+
+
+def test_launch_bounds_by_m_bucket():
+    """PreparedGemm's ``min_ctas_per_sm``: one bound for every M-bucket, or
+    some buckets' own (the executor's: {16: 4}); a bucket the GEMM has not is
+    refused."""
+    assert launch_bounds_by_bucket(None, (8, 16)) == {}
+    assert launch_bounds_by_bucket(4, (16, 8)) == {8: 4, 16: 4}
+    assert launch_bounds_by_bucket({16: 4}, (8, 16)) == {16: 4}
+    assert launch_bounds_by_bucket({}, (8, 16)) == {}
+    with pytest.raises(ValueError, match=r"names M-buckets \[4\]; the GEMM's are \[8, 16\]"):
+        launch_bounds_by_bucket({4: 4, 16: 4}, (8, 16))
 
 
 @pytest.mark.parametrize("ctas", [0, 17])

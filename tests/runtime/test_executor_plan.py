@@ -291,11 +291,12 @@ class FakeKernels(decode.KernelFactory):
         self.log: list = []
         self.built: list = []
 
-    def gemm(self, weight, epilogue="plain", rmsnorm_weight=None, eps=1e-5, prewait_steps=None):
+    def gemm(self, weight, epilogue="plain", rmsnorm_weight=None, eps=1e-5, prewait_steps=None,
+             min_ctas_per_sm=None):  # fmt: skip
         self.gemm_shapes.add(tuple(weight.shape))
         kernel = FakeGemm(
             self.log, "gemm", weight=weight, epilogue=epilogue, norm=rmsnorm_weight, eps=eps,
-            prewait_steps=prewait_steps,
+            prewait_steps=prewait_steps, min_ctas_per_sm=min_ctas_per_sm,
         )  # fmt: skip
         self.built.append(kernel)
         return kernel
@@ -521,6 +522,22 @@ def test_only_the_kda_in_proj_loads_fewer_weight_steps_before_its_wait():
     for gemm in gemms:
         want = decode.KDA_IN_PROJ_PREWAIT_STEPS if id(gemm.bound["weight"]) in in_projs else None
         assert gemm.bound["prewait_steps"] == want
+
+
+def test_the_kda_in_proj_mla_qkv_a_and_dense_gate_up_take_launch_bounds_at_m_bucket_16():
+    model, executor, kernels = build()
+    bounded = {id(layer.attn.in_proj.weight) for layer in executor.layers
+               if isinstance(layer.attn, decode.KdaLayer)}  # fmt: skip
+    bounded |= {id(layer.attn.qkv_a.weight) for layer in executor.layers
+                if isinstance(layer.attn, decode.MlaLayer)}  # fmt: skip
+    bounded |= {id(layer.ffn.gate_up) for layer in executor.layers
+                if isinstance(layer.ffn, decode.DenseFfn)}  # fmt: skip
+    assert len(bounded) == 5  # the stand-in model: 3 KDA, 1 MLA, 1 dense layer
+    gemms = [k for k in kernels.built if k.kind == "gemm"]
+    for gemm in gemms:
+        want = {16: 4} if id(gemm.bound["weight"]) in bounded else None
+        assert gemm.bound["min_ctas_per_sm"] == want
+    assert sum(g.bound["min_ctas_per_sm"] is not None for g in gemms) == len(bounded)
 
 
 def test_o_proj_before_a_moe_leaves_the_norm_to_the_router():
@@ -1188,10 +1205,12 @@ def test_a_gemm_prewait_shape_no_gemm_has_fails_at_start(monkeypatch):
 
 @pytest.mark.parametrize(
     ("environ", "ctas"),
-    [({}, {}), ({"VLLM_HD_GEMM_MIN_CTAS": ""}, {}),
-     ({"VLLM_HD_GEMM_MIN_CTAS": "12576x2304:6"}, {(12576, 2304): 6}),
-     ({"VLLM_HD_GEMM_MIN_CTAS": "12576x2304:16,2304x4096:1"},
-      {(12576, 2304): 16, (2304, 4096): 1})],
+    [({}, {}), ({"VLLM_HD_GEMM_MIN_CTAS": ""}, {}), ({"VLLM_HD_GEMM_MIN_CTAS": "0"}, None),
+     ({"VLLM_HD_GEMM_MIN_CTAS": "12576x2304:6"}, {(12576, 2304): {8: 6, 16: 6}}),
+     ({"VLLM_HD_GEMM_MIN_CTAS": "12576x2304:4@16"}, {(12576, 2304): {16: 4}}),
+     ({"VLLM_HD_GEMM_MIN_CTAS": "12576x2304:0"}, {(12576, 2304): {}}),
+     ({"VLLM_HD_GEMM_MIN_CTAS": "12576x2304:16@8,2304x4096:1"},
+      {(12576, 2304): {8: 16}, (2304, 4096): {8: 1, 16: 1}})],
 )  # fmt: skip
 def test_the_gemm_min_ctas_switch(environ, ctas):
     assert decode.gemm_min_ctas_from_env(environ) == ctas
@@ -1199,29 +1218,45 @@ def test_the_gemm_min_ctas_switch(environ, ctas):
 
 @pytest.mark.parametrize(
     "value",
-    ["12576x2304:0", "12576x2304:17", "12576x2304:06", "12576x2304", "12576x2304:6,",
-     "12576x2304:6,12576x2304:4", "x2304:6", "6"],
+    ["12576x2304:17", "12576x2304:06", "12576x2304", "12576x2304:6,", "00", "0,12576x2304:4",
+     "12576x2304:6,12576x2304:4", "x2304:6", "6", "12576x2304:4@4", "12576x2304:4@",
+     "12576x2304:@16", "12576x2304:4@16@8"],
 )  # fmt: skip
 def test_other_gemm_min_ctas_values_fail_at_start_naming_the_variable(monkeypatch, value):
     monkeypatch.setenv("VLLM_HD_GEMM_MIN_CTAS", value)
-    with pytest.raises(ValueError, match=f"VLLM_HD_GEMM_MIN_CTAS={value!r}: expected NxK:C"):
+    with pytest.raises(
+        ValueError, match=f"VLLM_HD_GEMM_MIN_CTAS={re.escape(repr(value))}: expected 0 or NxK:C"
+    ):
         decode.check_environment()
     with pytest.raises(ValueError, match="VLLM_HD_GEMM_MIN_CTAS"):
         decode.KernelFactory()
 
 
-def test_the_kernel_factory_hands_the_min_ctas_to_the_named_gemm(monkeypatch):
+def test_the_kernel_factory_hands_the_min_ctas_to_the_gemm(monkeypatch):
+    """The executor's bounds unless the switch names the shape (its bounds, or
+    none for C = 0) or is 0 (none anywhere)."""
     prepared = pytest.importorskip(
         "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.gemm.prepared",
         reason="CuTe DSL is not installed",
     )
     monkeypatch.setattr(prepared, "PreparedGemm", lambda *args, **kwargs: kwargs)
-    assert decode.KernelFactory().gemm(torch.empty(12576, 2304))["min_ctas_per_sm"] is None
+    in_proj, other = torch.empty(12576, 2304), torch.empty(2304, 4096)
+    factory = decode.KernelFactory()
+    assert factory.gemm(in_proj)["min_ctas_per_sm"] is None
+    assert factory.gemm(in_proj, min_ctas_per_sm={16: 4})["min_ctas_per_sm"] == {16: 4}
     monkeypatch.setenv("VLLM_HD_GEMM_MIN_CTAS", "12576x2304:6")
     factory = decode.KernelFactory(clusters=True)
-    taken = factory.gemm(torch.empty(12576, 2304), prewait_steps=3)
-    assert (taken["min_ctas_per_sm"], taken["prewait_steps"]) == (6, 3)
-    assert factory.gemm(torch.empty(2304, 4096))["min_ctas_per_sm"] is None
+    taken = factory.gemm(in_proj, prewait_steps=3, min_ctas_per_sm={16: 4})
+    assert (taken["min_ctas_per_sm"], taken["prewait_steps"]) == ({8: 6, 16: 6}, 3)
+    assert factory.gemm(other)["min_ctas_per_sm"] is None
+    assert factory.gemm(other, min_ctas_per_sm={16: 4})["min_ctas_per_sm"] == {16: 4}
+    monkeypatch.setenv("VLLM_HD_GEMM_MIN_CTAS", "12576x2304:0")
+    taken = decode.KernelFactory().gemm(in_proj, min_ctas_per_sm={16: 4})
+    assert taken["min_ctas_per_sm"] is None
+    monkeypatch.setenv("VLLM_HD_GEMM_MIN_CTAS", "0")
+    factory = decode.KernelFactory()
+    for weight in (in_proj, other):
+        assert factory.gemm(weight, min_ctas_per_sm={16: 4})["min_ctas_per_sm"] is None
 
 
 def test_the_kernel_factory_names_the_min_ctas_switch_when_a_gemm_cannot_take_it(
@@ -1233,7 +1268,7 @@ def test_the_kernel_factory_names_the_min_ctas_switch_when_a_gemm_cannot_take_it
     )
 
     def refuse(weight, *args, min_ctas_per_sm=None, **kwargs):
-        if min_ctas_per_sm == 1:
+        if min_ctas_per_sm and 1 in min_ctas_per_sm.values():
             raise ValueError("min_ctas_per_sm=1 would let fewer than 2 CTAs an SM wait")
 
     monkeypatch.setattr(prepared, "PreparedGemm", refuse)

@@ -194,20 +194,20 @@ GEMM_PREWAIT_ENV = "VLLM_HD_GEMM_PREWAIT"
 
 def _gemm_shape_values_from_env(
     name: str, environ: dict[str, str] | None, value_pattern: str, expected: str
-) -> dict[tuple[int, int], int]:
-    """{(N, K) of a weight: value} from the variable ``name`` as
-    "NxK:V[,NxK:V...]" with V matching ``value_pattern`` ({} if unset or
-    empty); raises, naming the variable and ``expected``, on another value."""
+) -> dict[tuple[int, int], str]:
+    """{(N, K) of a weight: V} from the variable ``name`` as "NxK:V[,NxK:V...]"
+    with V matching ``value_pattern`` ({} if unset or empty); raises, naming the
+    variable and ``expected``, on another value."""
     value = (os.environ if environ is None else environ).get(name)
     if not value:
         return {}
-    values: dict[tuple[int, int], int] = {}
+    values: dict[tuple[int, int], str] = {}
     for item in value.split(","):
         match = re.fullmatch(rf"([1-9][0-9]*)x([1-9][0-9]*):({value_pattern})", item)
         shape = (int(match[1]), int(match[2])) if match else None
         if shape is None or shape in values:
             raise ValueError(f"{name}={value!r}: expected {expected} (or unset)")
-        values[shape] = int(match[3])
+        values[shape] = match[3]
     return values
 
 
@@ -216,36 +216,61 @@ def gemm_prewait_from_env(
 ) -> dict[tuple[int, int], int]:
     """{(N, K) of a weight: pre-wait K-steps} as ``GEMM_PREWAIT_ENV`` asks ({}
     if unset or empty); raises, naming the variable, on another value."""
-    return _gemm_shape_values_from_env(
+    steps = _gemm_shape_values_from_env(
         GEMM_PREWAIT_ENV,
         environ,
         "[0-9]|[1-9][0-9]",
         "NxK:S[,NxK:S...], a GEMM's weight shape (each once) and the K-steps S "
         "(0-99) its warps load before the PDL wait",
     )
+    return {shape: int(s) for shape, s in steps.items()}
 
 
-# Launch bounds of GEMMs by weight shape, for A/Bs: "NxK:C[,NxK:C...]" promises
-# ptxas C CTAs an SM for that shape's launches (1-16 for the 4-warp CTAs, e.g.
-# "12576x2304:6", the KDA in_proj, whose 786 CTAs then all still fit at once), so
-# it may keep more of a warp's weight loads in flight (docs/perf/gemm_notes.md).
-# Unset or empty: no bounds. Outputs are bit-identical (tests/kernels/test_gemm.py).
+# Launch bounds of the GEMMs whose 9-16-token launches (M-bucket 16) keep too few weight
+# loads in flight: the KDA in_proj, the MLA's q / kv_a projection and the dense MLP's
+# gate_up. Promised 4 CTAs an SM, ptxas keeps 25 16-byte loads ahead of the first MMA
+# instead of 13 (in_proj, ptxas 13.5, tests/kernels/test_gemm_compile.py). On one H200
+# (2026-12-06): scripts/bench_gemm.py at M = 16 in_proj 17.26 us against 19.74 (cuBLAS
+# 17.40), dense gate_up 24.15 against 28.96, q_proj 8.76 against 10.46; the engine at
+# N = 16 3.075 ms a step against 3.129, GPU busy per median step -57 us
+# (docs/perf/gemm_notes.md, "Launch bounds on the GEMMs, measured"). At M-bucket 8 the
+# engine moved by -7..+12 us at N = 1-8 and the KDA step started 15 us later under
+# in_proj: no bounds there. Outputs are bit-identical (tests/kernels/test_gemm.py).
+GEMM_MIN_CTAS_BUCKET_16 = {16: 4}
+# The GEMMs' M-buckets (PreparedGemm's configs: 1-8 and 9-16 tokens).
+GEMM_M_BUCKETS = (8, 16)
+
+# For A/Bs: "NxK:C[@B][,...]" promises ptxas C CTAs an SM (1-16 for the 4-warp CTAs)
+# for the GEMMs of that weight shape, at every M-bucket or at bucket B (8 or 16) only;
+# C = 0 takes the bounds off that shape. Other shapes keep the executor's bounds; "0"
+# takes them off every GEMM. Unset or empty: the executor's (GEMM_MIN_CTAS_BUCKET_16).
 GEMM_MIN_CTAS_ENV = "VLLM_HD_GEMM_MIN_CTAS"
 
 
 def gemm_min_ctas_from_env(
     environ: dict[str, str] | None = None,
-) -> dict[tuple[int, int], int]:
-    """{(N, K) of a weight: CTAs an SM its launch bounds promise} as
-    ``GEMM_MIN_CTAS_ENV`` asks ({} if unset or empty); raises, naming the
-    variable, on another value."""
-    return _gemm_shape_values_from_env(
+) -> dict[tuple[int, int], dict[int, int]] | None:
+    """{(N, K) of a weight: {M-bucket: CTAs an SM its launch bounds promise}} as
+    ``GEMM_MIN_CTAS_ENV`` asks, overriding the executor's bounds for those
+    shapes ({} if unset or empty; {} as a shape's value: no bounds); None for
+    "0", no bounds on any GEMM. Raises, naming the variable, on another value."""
+    if (os.environ if environ is None else environ).get(GEMM_MIN_CTAS_ENV) == "0":
+        return None
+    buckets = "|".join(map(str, GEMM_M_BUCKETS))
+    asked = _gemm_shape_values_from_env(
         GEMM_MIN_CTAS_ENV,
         environ,
-        "[1-9]|1[0-6]",
-        "NxK:C[,NxK:C...], a GEMM's weight shape (each once) and the CTAs C "
-        "(1-16) an SM its launch bounds promise",
+        rf"(?:[0-9]|1[0-6])(?:@(?:{buckets}))?",
+        "0 or NxK:C[@B][,NxK:C[@B]...], a GEMM's weight shape (each once) and the "
+        "CTAs C (1-16; 0: none) an SM its launch bounds promise, at every M-bucket or "
+        f"at bucket B ({' or '.join(map(str, GEMM_M_BUCKETS))})",
     )
+    bounds: dict[tuple[int, int], dict[int, int]] = {}
+    for shape, text in asked.items():
+        ctas, _, bucket = text.partition("@")
+        taking = (int(bucket),) if bucket else GEMM_M_BUCKETS
+        bounds[shape] = dict.fromkeys(taking, int(ctas)) if int(ctas) else {}
+    return bounds
 
 
 # The same for the MoE expert launches, for A/Bs: "G,D", the K-steps of gate_up's
@@ -556,15 +581,24 @@ class KernelFactory:
                 GEMM_PREWAIT_ENV,
                 KDA_IN_PROJ_PREWAIT_STEPS,
             )
-        if self.gemm_min_ctas:
-            logger.info(
-                "Kimi-Linear specialized decode: GEMM launch bounds of %s CTAs an SM "
-                "(%s)",
-                ", ".join(
-                    f"{c} ({n} x {k})" for (n, k), c in self.gemm_min_ctas.items()
-                ),
-                GEMM_MIN_CTAS_ENV,
-            )
+
+        def ctas(bounds: dict[int, int]) -> str:
+            taken = [f"{c} CTAs an SM at M-bucket {b}" for b, c in bounds.items()]
+            return ", ".join(taken) or "none"
+
+        if self.gemm_min_ctas is None:
+            gemm_bounds = "none"
+        else:
+            gemm_bounds = ctas(GEMM_MIN_CTAS_BUCKET_16)
+            gemm_bounds += " for the KDA in_proj, MLA q/kv_a and dense gate_up"
+            for (n, k), asked in self.gemm_min_ctas.items():
+                gemm_bounds += f"; {n} x {k}: {ctas(asked)}"
+        logger.info(
+            "Kimi-Linear specialized decode: GEMM launch bounds: %s (%s=%r)",
+            gemm_bounds,
+            GEMM_MIN_CTAS_ENV,
+            os.environ.get(GEMM_MIN_CTAS_ENV, ""),
+        )
         gate_up_warps, down_warps, warps_max_bucket = self.moe_expert_warps
         logger.info(
             "Kimi-Linear specialized decode: MoE expert CTAs of %d (gate_up) and %d "
@@ -601,16 +635,22 @@ class KernelFactory:
         rmsnorm_weight: torch.Tensor | None = None,
         eps: float = 1e-5,
         prewait_steps: int | None = None,
+        min_ctas_per_sm: dict[int, int] | None = None,
     ) -> Any:
         """``prewait_steps``: the weight K-steps a warp loads before its PDL wait
-        (None: the config's ``unroll``); ``GEMM_PREWAIT_ENV`` overrides it by the
-        weight's shape, and ``GEMM_MIN_CTAS_ENV`` adds launch bounds by shape."""
+        (None: the config's ``unroll``); ``min_ctas_per_sm``: launch bounds by
+        M-bucket (None: none). ``GEMM_PREWAIT_ENV`` and ``GEMM_MIN_CTAS_ENV``
+        override them by the weight's shape."""
         from ..cutedsl.gemm.prepared import PreparedGemm
 
         shape = tuple(weight.shape)
         self.gemm_shapes.add(shape)
         asked = self.gemm_prewait.get(shape)
-        min_ctas = self.gemm_min_ctas.get(shape)
+        if self.gemm_min_ctas is None:
+            min_ctas_per_sm = None
+        asked_bounds = (self.gemm_min_ctas or {}).get(shape)
+        if asked_bounds is not None:
+            min_ctas_per_sm = asked_bounds
         try:
             return PreparedGemm(
                 weight,
@@ -619,12 +659,12 @@ class KernelFactory:
                 eps=eps,
                 cluster_split_k=self.clusters,
                 prewait_steps=prewait_steps if asked is None else asked,
-                min_ctas_per_sm=min_ctas,
+                min_ctas_per_sm=min_ctas_per_sm or None,
             )
         except ValueError as err:
-            if asked is None and min_ctas is None:
+            if asked is None and asked_bounds is None:
                 raise
-            asked_by = ((GEMM_PREWAIT_ENV, asked), (GEMM_MIN_CTAS_ENV, min_ctas))
+            asked_by = ((GEMM_PREWAIT_ENV, asked), (GEMM_MIN_CTAS_ENV, asked_bounds))
             switches = ", ".join(
                 f"{name}={os.environ.get(name, '')!r}"
                 for name, value in asked_by
@@ -654,7 +694,7 @@ class KernelFactory:
         an A/B measuring the defaults)."""
         for name, asked in (
             (GEMM_PREWAIT_ENV, self.gemm_prewait),
-            (GEMM_MIN_CTAS_ENV, self.gemm_min_ctas),
+            (GEMM_MIN_CTAS_ENV, self.gemm_min_ctas or {}),
         ):
             unmatched = sorted(set(asked) - self.gemm_shapes)
             if unmatched:
@@ -1445,11 +1485,17 @@ class KimiLinearDecodeExecutor:
         out_width: int,
         epilogue: str = EPILOGUE_PLAIN,
         prewait_steps: int | None = None,
+        min_ctas_per_sm: dict[int, int] | None = None,
     ) -> None:
         gemm = self._kernel(
             index,
             op,
-            lambda: self.kernels.gemm(weight, epilogue, prewait_steps=prewait_steps),
+            lambda: self.kernels.gemm(
+                weight,
+                epilogue,
+                prewait_steps=prewait_steps,
+                min_ctas_per_sm=min_ctas_per_sm,
+            ),
         )
         bufs = self.buffers
         bufs.add(out, out_width)
@@ -1470,6 +1516,7 @@ class KimiLinearDecodeExecutor:
         self._plan_gemm(
             i, "kda_in_proj", kda.in_proj.weight, x, self.hidden, "kda_proj",
             kda.in_proj.weight.shape[0], prewait_steps=KDA_IN_PROJ_PREWAIT_STEPS,
+            min_ctas_per_sm=GEMM_MIN_CTAS_BUCKET_16,
         )  # fmt: skip
         q0, k0, v0, b0, fa0, ga0 = kda.in_proj.offsets
         width = kda.in_proj.weight.shape[0]
@@ -1532,8 +1579,9 @@ class KimiLinearDecodeExecutor:
         bufs.add("mla_ql_nope", n * lora)
         bufs.add("mla_latent", n * lora)
         self._plan_gemm(
-            i, "mla_qkv_a", mla.qkv_a.weight, x, self.hidden, "mla_proj", width
-        )
+            i, "mla_qkv_a", mla.qkv_a.weight, x, self.hidden, "mla_proj", width,
+            min_ctas_per_sm=GEMM_MIN_CTAS_BUCKET_16,
+        )  # fmt: skip
         kernels, attn = self.kernels, mla.attn
         w_uk = self._kernel(i, "mla_w_uk", lambda: kernels.grouped_gemm(mla.w_uk))
         w_uv = self._kernel(i, "mla_w_uv", lambda: kernels.grouped_gemm(mla.w_uv))
@@ -1627,7 +1675,7 @@ class KimiLinearDecodeExecutor:
         inter = ffn.gate_up.shape[0] // 2
         self._plan_gemm(
             layer.index, "mlp_gate_up", ffn.gate_up, x, self.hidden, "mlp_act",
-            inter, EPILOGUE_SILU_MUL,
+            inter, EPILOGUE_SILU_MUL, min_ctas_per_sm=GEMM_MIN_CTAS_BUCKET_16,
         )  # fmt: skip
         self._plan_residual_gemm(
             layer.index, "mlp_down", ffn.down, layer.next_norm, "mlp_act",
