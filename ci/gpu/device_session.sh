@@ -227,8 +227,27 @@ kernel-round)
     # (2026-12-06: 21 MoE tests took 400 s): HD_KERNEL_JOBS pytest-xdist workers (on the
     # device image; default 8 of its 16 cores, 1: one process) share the GPU. A worker
     # cut by the per-test limit is named ("crashed while running ...") and replaced,
-    # so the other tests still run.
+    # so the other tests still run. The workers share the GPU's memory too: a MoE test
+    # worker holds ~11 GiB (2026-12-06, an 80 GB H100: 15 workers, 107 tests out of
+    # memory), so at most one worker per 12 GiB of the GPU.
     jobs="${HD_KERNEL_JOBS:-8}"
+    case "$jobs" in
+        '' | *[!0-9]* | 0) echo "HD_KERNEL_JOBS=$jobs: expected a count of workers (1 or more)" >&2
+            exit 2 ;;
+    esac
+    gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null \
+        | head -1 | tr -d ' ')
+    case "$gpu_mib" in
+        '' | *[!0-9]*) ;;  # no nvidia-smi answer: no cap
+        *)
+            fit=$((gpu_mib / 1024 / 12))
+            [ "$fit" -ge 1 ] || fit=1
+            if [ "$jobs" -gt "$fit" ]; then
+                echo "kernel tests: $jobs workers capped at $fit ($gpu_mib MiB of GPU memory, 12 GiB a worker)"
+                jobs=$fit
+            fi
+            ;;
+    esac
     workers=""
     if [ "$jobs" != 1 ]; then
         if python3 -c "import xdist" 2>/dev/null; then

@@ -334,9 +334,16 @@ def test_never_returns():
 """
 
 
-def _kernel_round(tmp_path, jobs: str) -> tuple[subprocess.CompletedProcess, str]:
-    """kernel-round over HANGING_TESTS with HD_KERNEL_JOBS=jobs: (the run, the log)."""
+def _kernel_round(
+    tmp_path, jobs: str, gpu_mib: int | None = None
+) -> tuple[subprocess.CompletedProcess, str]:
+    """kernel-round over HANGING_TESTS with HD_KERNEL_JOBS=jobs: (the run, the log).
+    gpu_mib: an nvidia-smi on the PATH that reports a GPU of that much memory."""
     tree, path = _tree_with_stand_in(tmp_path)
+    if gpu_mib is not None:
+        smi = tmp_path / "bin" / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\necho {gpu_mib}\n")
+        smi.chmod(0o755)
     # python3 as this venv's interpreter by its own path (a symlink elsewhere loses the
     # venv, and with it pytest-timeout).
     python3 = tmp_path / "bin" / "python3"
@@ -355,7 +362,8 @@ def _kernel_round(tmp_path, jobs: str) -> tuple[subprocess.CompletedProcess, str
         ["sh", "ci/gpu/device_session.sh", "kernel-round", "tests/kernels/test_stand_in.py"],
         cwd=tree, env=env, capture_output=True, text=True, timeout=100,
     )  # fmt: skip
-    return done, (out / "kernel-tests.log").read_text()
+    log = out / "kernel-tests.log"
+    return done, log.read_text() if log.exists() else ""
 
 
 @pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
@@ -383,3 +391,23 @@ def test_kernel_round_spreads_the_tests_over_workers_and_names_a_hang(tmp_path):
     assert "PASSED tests/kernels/test_stand_in.py::test_returns" in log, log
     named = "crashed while running 'tests/kernels/test_stand_in.py::test_never_returns'"
     assert named in log and named in done.stdout, log
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+def test_kernel_round_takes_no_more_workers_than_the_gpu_memory_holds(tmp_path):
+    """A worker per 12 GiB of the GPU at most: on an 80 GB H100 (2026-12-06) 15 workers
+    left 107 MoE tests out of memory. A 24 GiB GPU takes 2 of the 8 asked for."""
+    pytest.importorskip("pytest_timeout")
+    pytest.importorskip("xdist")
+    done, log = _kernel_round(tmp_path, "8", gpu_mib=24576)
+    assert "8 workers capped at 2 (24576 MiB" in done.stdout, done.stdout + done.stderr
+    assert "created: 2/2 workers" in log, log
+    assert "PASSED tests/kernels/test_stand_in.py::test_returns" in log, log
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
+@pytest.mark.parametrize("jobs", ["0", "many"])
+def test_kernel_round_refuses_a_worker_count_that_is_not_a_count(tmp_path, jobs):
+    done, log = _kernel_round(tmp_path, jobs)
+    assert done.returncode == 2 and not log, done.stdout + done.stderr
+    assert f"HD_KERNEL_JOBS={jobs}: expected a count of workers" in done.stderr
