@@ -160,9 +160,10 @@ class SkinnyGemmKernel:
     policy of W's loads (``WarpRowTileMma``); None emits the plain loads.
     ``min_ctas_per_sm`` (None: no bound): launch bounds promising ptxas that
     many CTAs an SM, so that it may use the registers they leave.  Without
-    them it keeps ~42 a thread and a warp's loads one K-step ahead of its MMAs
-    (the KDA in_proj, ptxas 13.5; at 6, 78 registers and ~10 loads ahead,
-    ``docs/perf/gemm_notes.md``).  Same instructions, same outputs.
+    them ptxas 13.5 keeps the KDA in_proj (M-bucket 8, 3 pre-wait steps) to 42
+    registers and 7 weight loads ahead of its first MMA; at 6, 78 registers and
+    16 loads; at 4, 106 and 22 (``docs/perf/gemm_notes.md``).  Same
+    instructions, same outputs.
     """
 
     def __init__(

@@ -228,8 +228,9 @@ def gemm_prewait_from_env(
 
 # Launch bounds of the GEMMs whose 9-16-token launches (M-bucket 16) keep too few weight
 # loads in flight: the KDA in_proj, the MLA's q / kv_a projection and the dense MLP's
-# gate_up. Promised 4 CTAs an SM, ptxas keeps 25 16-byte loads ahead of the first MMA
-# instead of 13 (in_proj, ptxas 13.5, tests/kernels/test_gemm_compile.py). On one H200
+# gate_up. Promised 4 CTAs an SM, ptxas 13.5 keeps 25 16-byte weight loads ahead of the
+# first MMA instead of 13 (8 for the in_proj with its KDA_IN_PROJ_PREWAIT_STEPS), at 127
+# registers (docs/perf/gemm_notes.md, the SASS tables). On one H200
 # (2026-12-06): scripts/bench_gemm.py at M = 16 in_proj 17.26 us against 19.74 (cuBLAS
 # 17.40), dense gate_up 24.15 against 28.96, q_proj 8.76 against 10.46; the engine at
 # N = 16 3.075 ms a step against 3.129, GPU busy per median step -57 us
