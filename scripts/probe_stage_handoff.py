@@ -22,7 +22,12 @@ GEMM's input depends on every tile of the GEMM before it. S stages in a row:
 - `persistent`: one launch of G CTAs, all resident, walking the S stages: after its writes a CTA
   adds 1 to that stage's counter (release, GPU scope), and before its reads its thread 0 polls
   the previous stage's counter (acquire) until it reads G (`persistent_sleep`: with a 32 ns
-  pause between polls). The graph also holds a memset of the counters (one node for S stages).
+  pause between polls; `persistent_lean`: the release add without the GPU fence before it,
+  whose release alone orders the CTA's stores after the barrier). The graph also holds a
+  memset of the counters (one node for S stages).
+
+Measured on one H100 (2026-12-06, `docs/perf/decode_notes.md`, "What a stage boundary
+costs"): PDL 0.98-1.21 us a stage, the lean counter barrier 1.32-1.79 us (G = 32-264).
 
 The time of a stage is the graph's replay time / S (CUDA events around back-to-back replays,
 median of rounds). Every variant is first checked against an fp64 torch reference of the S
@@ -40,7 +45,7 @@ import statistics
 import sys
 from pathlib import Path
 
-VARIANTS = ("chain", "chain_nopdl", "persistent", "persistent_sleep")
+VARIANTS = ("chain", "chain_nopdl", "persistent", "persistent_sleep", "persistent_lean")
 CTA_COUNTS = (32, 132, 264)
 THREADS = 128
 DIM = 2304  # the model's hidden size
@@ -138,8 +143,9 @@ def make_kernels(num_ctas: int, threads: int, dim: int, stages: int):
             write_slice(x, y, cta, tidx, total)
 
     class Persistent:
-        def __init__(self, sleep_ns: int):
+        def __init__(self, sleep_ns: int, fence: bool = True):
             self.sleep_ns = sleep_ns
+            self.fence = fence
 
         @cute.jit
         def __call__(
@@ -188,7 +194,8 @@ def make_kernels(num_ctas: int, threads: int, dim: int, stages: int):
                 # cooperative grid barrier's arrival.
                 cute.arch.sync_threads()
                 if tidx == 0:
-                    cute.arch.fence_acq_rel_gpu()
+                    if const_expr(self.fence):
+                        cute.arch.fence_acq_rel_gpu()
                     cute.arch.atomic_add(counters + stage, Int32(1), sem="release", scope="gpu")
 
     return Stage, Persistent
@@ -235,7 +242,8 @@ def _variant(name: str, num_ctas: int, threads: int, dim: int, stages: int):
         _ptr(counters, cutlass.Int32),
         _ptr(error, cutlass.Int32),
     )
-    compiled = cute.compile(persistent_kernel(sleep_ns), *args, stream)
+    kernel = persistent_kernel(sleep_ns, fence=name != "persistent_lean")
+    compiled = cute.compile(kernel, *args, stream)
 
     def launch():
         counters.zero_()

@@ -35,10 +35,10 @@ def compile_stage(pdl: bool):
     return cute.compile(stage(pdl), f32, f32, cuda.CUstream(0))
 
 
-def compile_persistent(sleep_ns: int):
+def compile_persistent(sleep_ns: int, fence: bool = True):
     _, persistent = probe_stage_handoff.make_kernels(132, 128, 2304, 64)
     args = (_ptr(cutlass.Float32), _ptr(cutlass.Int32), _ptr(cutlass.Int32))
-    return cute.compile(persistent(sleep_ns), *args, cuda.CUstream(0))
+    return cute.compile(persistent(sleep_ns, fence=fence), *args, cuda.CUstream(0))
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -69,3 +69,12 @@ def test_the_persistent_stages_hand_over_through_acquire_and_release(tmp_path, s
     assert body.count("atom.global.release.add") == 1 and add > fence
     assert ("nanosleep" in body) == (sleep_ns > 0)
     assert "griddepcontrol" not in body
+
+
+def test_the_lean_persistent_stage_releases_without_the_fence(tmp_path):
+    ptx = compiled_ptx(tmp_path, "test_stage_handoff_compile", "compile_persistent(0, False)")
+    body = ptx[ptx.index(".entry") :]
+    assert "fence" not in body
+    stores = body.index("st.global.b32", body.index("ld.global.b32"))
+    add = body.index("atom.global.release.add.u32")
+    assert stores < body.index("bar.sync", stores) < add
