@@ -141,7 +141,8 @@ def main() -> int:
     ap.add_argument(
         "--sweep",
         action="store_true",
-        help="also time alternative (warps_k, split_k, unroll) configs",
+        help="also time alternative (warps_k, split_k, unroll) configs, all without launch "
+        "bounds (at M = 16 the bounded shapes' base config then differs from ours)",
     )
     args = ap.parse_args()
     args.min_ctas = [int(c) for c in args.min_ctas.split(",") if c]
