@@ -198,20 +198,19 @@ def make_spinner(spin_ns: int):
 
     class Spinner:
         @cute.jit
-        def __call__(self, flag: cute.Pointer, stream: cuda.CUstream):
-            self.kernel(flag).launch(
+        def __call__(self, stream: cuda.CUstream):
+            self.kernel().launch(
                 grid=[SPIN_CTAS, 1, 1], block=[32, 1, 1], stream=stream, use_pdl=True
             )
 
         @cute.kernel
-        def kernel(self, flag: cute.Pointer):
+        def kernel(self):
             cute.arch.griddepcontrol_launch_dependents()
             cute.arch.griddepcontrol_wait()
             start = cute.arch.globaltimer()
             now = start
             while now - start < Int64(spin_ns):
                 now = cute.arch.globaltimer()
-            _ = flag
 
     return Spinner
 
@@ -273,11 +272,10 @@ def measure_shape(name: str, n: int, k: int, configs, calls: int, spin_ns: int) 
     x = torch.randn(1, k, device=dev, generator=gen).to(torch.bfloat16)
     y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
     want = x.float() @ weights[0].float().t()
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
-    spinner = cute.compile(make_spinner(spin_ns)(), _ptr(flag, cutlass.Int32), _stream())
+    spinner = cute.compile(make_spinner(spin_ns)(), _stream())
 
     def spin():
-        spinner(_ptr(flag, cutlass.Int32), _stream())
+        spinner(_stream())
 
     t_spin = _time([spin] * calls) / calls
     variants = {}
