@@ -18,7 +18,8 @@ to the CTAs in runs of whole chunks of R rows (N % R == 0); a CTA's warp 0 puts 
 chunks in flight (before `griddepcontrol.wait`), every warp then takes one row of the chunk
 whose mbarrier completed (x read once into shared memory as fp32 after the wait), and after a
 barrier thread 0 refills the stage with the chunk S further on. `register`: PreparedGemm
-(plain epilogue, the executor's config and PDL), the kernel the decode runs.
+(plain epilogue, the executor's config and PDL), the kernel the decode runs; `cublas`:
+torch.mm into the same output (no PDL), the stock baseline.
 
 Two chains per variant and shape, each launch reading its own copy of the weight (copies
 span >= 2x L2, so every byte comes from HBM), all launches with PDL, in one CUDA graph:
@@ -30,7 +31,8 @@ Every variant is checked against the fp32 torch product first.
 
 Measured on one H100 (2026-12-06, `docs/perf/gemm_notes.md`, "The weight through shared
 memory by bulk copies"): the KDA in_proj 18.2 us behind a 3 us stage with R8 S5 C1 against
-the register stream's 21.8. Torch and cutlass only (the kernels bundle):
+the register stream's 21.8 (our kernels only: the `cublas` column came after that run).
+Torch and cutlass only (the kernels bundle):
 
     python3 scripts/probe_weight_stream.py --out-dir $OUT/stream
 """
@@ -282,7 +284,9 @@ def measure_shape(name: str, n: int, k: int, configs, calls: int, spin_ns: int) 
     prepared = [pg.PreparedGemm(w, "plain") for w in weights]
     prepared[0].compile()
     variants["register"] = [lambda p=p: p.run(x, y) for p in prepared]
-    meta = {"register": {}}
+    # cuBLAS (torch.mm into the same output, launched as torch launches it: no PDL).
+    variants["cublas"] = [lambda w=w: torch.mm(x, w.t(), out=y) for w in weights]
+    meta = {"register": {}, "cublas": {}}
     skipped = []
     for rows, stages, per_sm in configs:
         key = f"bulk R{rows} S{stages} C{per_sm}"
@@ -382,7 +386,8 @@ def main() -> int:
         "rows": rows,
         "method": (
             f"GEMV y = W x at one token (bf16, fp32 sums). register: PreparedGemm (plain, "
-            f"PDL). bulk R S C: cp.async.bulk of R-row chunks into S shared-memory stages "
+            f"PDL); cublas: torch.mm (no PDL). bulk R S C: cp.async.bulk of R-row chunks "
+            "into S shared-memory stages "
             f"(mbarrier each), the ring filled before griddepcontrol.wait, {WARPS} warps a "
             f"CTA, C CTAs an SM. alone: {args.calls} launches back to back in one CUDA graph, "
             "each on its own weight copy (copies >= 2x L2), us a call; behind a stage: "
