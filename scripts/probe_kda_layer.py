@@ -40,7 +40,12 @@ and the engine A/Bs of 2026-12-03 and 2026-12-04 lost exactly there. Variants:
   (the executor's default since hd.29), without and with those bounds;
 * ``in_proj_ctasC``: in_proj with launch bounds of C CTAs an SM
   (``GemmConfig.min_ctas_per_sm``; ``VLLM_HD_GEMM_MIN_CTAS=12576x2304:C``): more
-  registers for its loads, fewer for the KDA step's CTAs that start beside it.
+  registers for its loads, fewer for the KDA step's CTAs that start beside it;
+* ``in_proj_stagesS``: in_proj's weight through S shared-memory stages of 8 rows,
+  filled by bulk copies before the PDL wait, one 8-warp CTA an SM
+  (``PreparedGemm(weight_stages=S)``; ``VLLM_HD_GEMM_WEIGHT_STAGES=12576x2304:S``
+  in the engine): up to S x 8 rows an SM in flight before the wait, and a ring of
+  S x 37 KB that the KDA step's CTAs must find room beside.
 
 Before timing, each variant's last layer output and KDA states after one chain
 from the same caches must agree with ``base``'s (``_check``).
@@ -84,12 +89,14 @@ MOE_VARIANTS = {
     "early2_expert_regs128": {**EARLY_AT_2, **EXPERT_BOUNDS},
 }
 IN_PROJ_MIN_CTAS = (4, 6, 8)
+IN_PROJ_STAGES = (2, 3, 4, 5)
 VARIANTS = (
     "base",
     *(f"prewait{s}" for s in PREWAIT_STEPS),
     *(f"oproj_prewait{s}" for s in O_PROJ_PREWAIT_STEPS),
     *MOE_VARIANTS,
     *(f"in_proj_ctas{c}" for c in IN_PROJ_MIN_CTAS),
+    *(f"in_proj_stages{s}" for s in IN_PROJ_STAGES),
 )
 ROUNDS = 3
 LAYERS, REPS, REPLAYS = 4, 2, 20
@@ -131,6 +138,10 @@ class KdaMoeLayer:
                     w_in, "plain", prewait_steps=IN_PROJ_PREWAIT_STEPS, min_ctas_per_sm=ctas
                 )
                 for ctas in IN_PROJ_MIN_CTAS
+            },
+            **{
+                f"in_proj_stages{stages}": PreparedGemm(w_in, "plain", weight_stages=stages)
+                for stages in IN_PROJ_STAGES
             },
         }
 

@@ -18,8 +18,9 @@ to the CTAs in runs of whole chunks of R rows (N % R == 0); a CTA's warp 0 puts 
 chunks in flight (before `griddepcontrol.wait`), every warp then takes one row of the chunk
 whose mbarrier completed (x read once into shared memory as fp32 after the wait), and after a
 barrier thread 0 refills the stage with the chunk S further on. `register`: PreparedGemm
-(plain epilogue, the executor's config and PDL), the kernel the decode runs; `cublas`:
-torch.mm into the same output (no PDL), the stock baseline.
+(plain epilogue, the executor's config and PDL), the kernel the decode runs; `staged S`:
+PreparedGemm(weight_stages=S), the decode GEMM's own staged mode (MMAs from S stages of 8
+rows, one CTA an SM); `cublas`: torch.mm into the same output (no PDL), the stock baseline.
 
 Two chains per variant and shape, each launch reading its own copy of the weight (copies
 span >= 2x L2, so every byte comes from HBM), all launches with PDL, in one CUDA graph:
@@ -56,6 +57,8 @@ SHAPES = {
 }
 # bulk variants: (rows a chunk R, stages S, CTAs an SM C).
 BULK_CONFIGS = ((8, 4, 1), (8, 5, 1), (4, 4, 1), (4, 4, 2), (8, 2, 2), (2, 4, 2))
+# Shared-memory stages of 8 rows of PreparedGemm's staged mode (weight_stages).
+STAGED_STAGES = (2, 3, 4, 5)
 WARPS = 8
 THREADS = WARPS * 32
 L2_BYTES = 60 * 2**20
@@ -284,9 +287,20 @@ def measure_shape(name: str, n: int, k: int, configs, calls: int, spin_ns: int) 
     prepared = [pg.PreparedGemm(w, "plain") for w in weights]
     prepared[0].compile()
     variants["register"] = [lambda p=p: p.run(x, y) for p in prepared]
+    meta = {"register": {}, "cublas": {}}
+    # The decode GEMM's own staged mode (StagedSkinnyGemmKernel: MMAs from 8-row stages).
+    for stages in STAGED_STAGES:
+        key = f"staged S{stages}"
+        try:
+            staged = [pg.PreparedGemm(w, "plain", weight_stages=stages) for w in weights]
+            staged[0].compile((8,))
+        except ValueError as err:  # more stages than a CTA's shared memory holds
+            print(f"{name:15s} skipped {key}: {err}", flush=True)
+            continue
+        variants[key] = [lambda p=p: p.run(x, y) for p in staged]
+        meta[key] = {"stages": stages}
     # cuBLAS (torch.mm into the same output, launched as torch launches it: no PDL).
     variants["cublas"] = [lambda w=w: torch.mm(x, w.t(), out=y) for w in weights]
-    meta = {"register": {}, "cublas": {}}
     skipped = []
     for rows, stages, per_sm in configs:
         key = f"bulk R{rows} S{stages} C{per_sm}"
@@ -386,7 +400,8 @@ def main() -> int:
         "rows": rows,
         "method": (
             f"GEMV y = W x at one token (bf16, fp32 sums). register: PreparedGemm (plain, "
-            f"PDL); cublas: torch.mm (no PDL). bulk R S C: cp.async.bulk of R-row chunks "
+            "PDL); staged S: PreparedGemm(weight_stages=S) (PDL); cublas: torch.mm (no "
+            "PDL). bulk R S C: cp.async.bulk of R-row chunks "
             "into S shared-memory stages "
             f"(mbarrier each), the ring filled before griddepcontrol.wait, {WARPS} warps a "
             f"CTA, C CTAs an SM. alone: {args.calls} launches back to back in one CUDA graph, "

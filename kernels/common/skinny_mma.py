@@ -138,13 +138,7 @@ class WarpRowTileMma:
         trip.
         """
         halves, k_chunks = self.halves, self.k_chunks
-        mma_atom = cute.make_mma_atom(
-            cute.nvgpu.warp.MmaF16BF16Op(
-                BFloat16, Float32, (ROWS_PER_TILE, TOKENS_PER_MMA, MMA_K)
-            )
-        )
-        frag_a = cute.make_rmem_tensor((8, 1, 1), BFloat16)
-        frag_b = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        mma_atom, frag_a, frag_b = self._mma_atom_and_fragments()
         w_atom, w_policy = None, None
         if cutlass.const_expr(self.weight_policy_value is not None):
             # A G2R atom takes the policy operand at copy time; 128 bits keeps
@@ -207,23 +201,93 @@ class WarpRowTileMma:
                     else:
                         cute.autovec_copy(x_chunks[x_rows[h], chunk, None], xs[j][h])
             for j in cutlass.range_constexpr(batch):
-                # A 16-byte chunk is two MMA K-slices of 4 values per lane.
-                for s in cutlass.range_constexpr(2):
-                    # Fragment order a0..a7: (row g, k0,k1) (row g+8, k0,k1)
-                    # (row g, k8,k9) (row g+8, k8,k9); k0,k1 <- chunk[4s:4s+2],
-                    # k8,k9 <- chunk[4s+2:4s+4], the same for the B operand.
-                    frag_a[0] = w_lo[j][4 * s + 0]
-                    frag_a[1] = w_lo[j][4 * s + 1]
-                    frag_a[2] = w_hi[j][4 * s + 0]
-                    frag_a[3] = w_hi[j][4 * s + 1]
-                    frag_a[4] = w_lo[j][4 * s + 2]
-                    frag_a[5] = w_lo[j][4 * s + 3]
-                    frag_a[6] = w_hi[j][4 * s + 2]
-                    frag_a[7] = w_hi[j][4 * s + 3]
-                    for h in cutlass.range_constexpr(halves):
-                        for v in cutlass.range_constexpr(4):
-                            frag_b[v] = xs[j][h][4 * s + v]
-                        cute.gemm(mma_atom, acc[h], frag_a, frag_b, acc[h])
+                self._mma_chunk(mma_atom, acc, frag_a, frag_b, w_lo[j], w_hi[j], xs[j])
+
+    def _mma_chunk(self, mma_atom, acc, frag_a, frag_b, w_lo, w_hi, x_halves):
+        """The MMAs of one 16-byte chunk of the two rows (``w_lo``, ``w_hi``)
+        and of each half's activation chunk (``x_halves[h]``).  A plain method
+        (its loops are Python loops): traced inline where the caller calls it."""
+        # A 16-byte chunk is two MMA K-slices of 4 values per lane.
+        for s in range(2):
+            # Fragment order a0..a7: (row g, k0,k1) (row g+8, k0,k1)
+            # (row g, k8,k9) (row g+8, k8,k9); k0,k1 <- chunk[4s:4s+2],
+            # k8,k9 <- chunk[4s+2:4s+4], the same for the B operand.
+            frag_a[0] = w_lo[4 * s + 0]
+            frag_a[1] = w_lo[4 * s + 1]
+            frag_a[2] = w_hi[4 * s + 0]
+            frag_a[3] = w_hi[4 * s + 1]
+            frag_a[4] = w_lo[4 * s + 2]
+            frag_a[5] = w_lo[4 * s + 3]
+            frag_a[6] = w_hi[4 * s + 2]
+            frag_a[7] = w_hi[4 * s + 3]
+            for h in range(self.halves):
+                for v in range(4):
+                    frag_b[v] = x_halves[h][4 * s + v]
+                cute.gemm(mma_atom, acc[h], frag_a, frag_b, acc[h])
+
+    def _mma_atom_and_fragments(self):
+        mma_atom = cute.make_mma_atom(
+            cute.nvgpu.warp.MmaF16BF16Op(
+                BFloat16, Float32, (ROWS_PER_TILE, TOKENS_PER_MMA, MMA_K)
+            )
+        )
+        frag_a = cute.make_rmem_tensor((8, 1, 1), BFloat16)
+        frag_b = cute.make_rmem_tensor((4, 1, 1), BFloat16)
+        return mma_atom, frag_a, frag_b
+
+    @cute.jit
+    def load_activations(self, x_chunks: cute.Tensor, x_rows, first_step, quad_lane):
+        """This lane's activation chunks of the warp's whole K range, ``[step][h]``
+        (zeros past K), for a warp that keeps its K range over many row tiles
+        (``accumulate_staged``)."""
+        xs = [
+            [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(self.halves)]
+            for _ in range(self.steps)
+        ]
+        for j in cutlass.range_constexpr(self.steps):
+            chunk = (first_step + j) * LANES_PER_QUAD + quad_lane
+            for h in cutlass.range_constexpr(self.halves):
+                if cutlass.const_expr(self.k_ragged):
+                    if chunk < self.k_chunks:
+                        cute.autovec_copy(x_chunks[x_rows[h], chunk, None], xs[j][h])
+                    else:
+                        xs[j][h].fill(0.0)
+                else:
+                    cute.autovec_copy(x_chunks[x_rows[h], chunk, None], xs[j][h])
+        return xs
+
+    @cute.jit
+    def accumulate_staged(
+        self, acc, w_lo_rows: cute.Tensor, w_hi_rows: cute.Tensor, xs, first_step,
+        quad_row, quad_lane,
+    ):  # fmt: skip
+        """``acc[h] += W[tile, K range] @ x^T`` with the tile's two 8-row groups
+        in shared memory: ``w_lo_rows``/``w_hi_rows`` are ``(8, chunks, 8)``
+        views (16-byte reads), ``xs`` is ``load_activations``' result.  Chunks
+        past K read as zeros (their activations are zeros too, but shared
+        memory past a row may hold anything, NaN included)."""
+        mma_atom, frag_a, frag_b = self._mma_atom_and_fragments()
+        for batch_start in cutlass.range_constexpr(0, self.steps, self.unroll):
+            batch = min(self.unroll, self.steps - batch_start)
+            w_lo = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
+            w_hi = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
+            for j in cutlass.range_constexpr(batch):
+                chunk = (first_step + batch_start + j) * LANES_PER_QUAD + quad_lane
+                if cutlass.const_expr(self.k_ragged):
+                    if chunk < self.k_chunks:
+                        cute.autovec_copy(w_lo_rows[quad_row, chunk, None], w_lo[j])
+                        cute.autovec_copy(w_hi_rows[quad_row, chunk, None], w_hi[j])
+                    else:
+                        w_lo[j].fill(0.0)
+                        w_hi[j].fill(0.0)
+                else:
+                    cute.autovec_copy(w_lo_rows[quad_row, chunk, None], w_lo[j])
+                    cute.autovec_copy(w_hi_rows[quad_row, chunk, None], w_hi[j])
+            for j in cutlass.range_constexpr(batch):
+                self._mma_chunk(
+                    mma_atom, acc, frag_a, frag_b, w_lo[j], w_hi[j],
+                    xs[batch_start + j],
+                )  # fmt: skip
 
     @cute.jit
     def reduce_warps(self, acc, total, red, warp, lane, warps: cutlass.Constexpr):

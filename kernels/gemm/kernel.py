@@ -56,8 +56,9 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import cpasync
 
 from ..common.launch_bounds import launch_bounds
 from ..common.rmsnorm import normalized_chunk
@@ -120,6 +121,27 @@ EPILOGUES = (
     EPILOGUE_RESIDUAL_SUMSQ,
 )
 RESIDUAL_EPILOGUES = (EPILOGUE_RESIDUAL_RMSNORM, EPILOGUE_RESIDUAL_SUMSQ)
+
+
+# The weight stream staged through shared memory (StagedSkinnyGemmKernel): a
+# stage is 8 weight rows (one bulk copy a row), a 16-row tile two stages.  Rows
+# sit in shared memory at a pitch of 64 bytes modulo 128, so the two rows one
+# quarter-warp reads with 16-byte loads (4 lanes each) fall on the two halves
+# of the 32 banks: no bank conflict.
+ROWS_PER_STAGE = TOKENS_PER_MMA
+STAGES_PER_TILE = ROWS_PER_TILE // ROWS_PER_STAGE
+STAGE_ROW_BANK_OFFSET = 64
+SHARED_BANK_SPAN = 128
+# The shared memory one CTA may use on SM90 (228 KB an SM, 1 KB reserved a CTA).
+MAX_SMEM_PER_CTA = 227 * 1024
+STAGED_EPILOGUES = (EPILOGUE_PLAIN, EPILOGUE_SILU_MUL)
+
+
+def stage_row_pitch(k: int) -> int:
+    """Elements between two weight rows of a shared-memory stage (>= K)."""
+    row_bytes = 2 * k
+    pad = (STAGE_ROW_BANK_OFFSET - row_bytes) % SHARED_BANK_SPAN
+    return (row_bytes + pad) // 2
 
 
 def uses_cluster_split_k(split_k: int, cluster_split_k: bool) -> bool:
@@ -855,3 +877,235 @@ class SkinnyGemmKernel:
                     res = cute.make_rmem_tensor((CHUNK,), BFloat16)
                     normalized_chunk(hs[j], gs[j], scale, res)
                     cute.autovec_copy(res, out[token, chunk, None])
+
+
+class StagedSkinnyGemmKernel(SkinnyGemmKernel):
+    """The skinny GEMM with its weight staged through shared memory.
+
+    The register stream (``SkinnyGemmKernel``) keeps in flight what its
+    registers hold: a few K-steps a warp before its PDL wait.  Here a grid of
+    ``grid_ctas`` CTAs (a few an SM) walks the 16-row tiles in contiguous runs;
+    warp 0 of a CTA puts ``weight_stages`` stages of 8 rows in flight with
+    ``cp.async.bulk`` (one copy a row, completed on the stage's mbarrier)
+    before ``griddepcontrol.wait``, so up to that many rows an SM stream in
+    while the kernel before still runs.  Every warp then owns one K range for
+    all tiles: it loads its activations once into registers, and per tile it
+    waits for the tile's two stages, runs the MMAs from 16-byte shared-memory
+    reads, and the warps reduce through shared memory (whose first barrier
+    also ends every read of the two stages); warp 0 refills them with the
+    stages ``weight_stages`` further on, then runs the tile's epilogue
+    (``plain`` or ``silu_mul``, the register stream's).  Same MMAs, same
+    fragment order, same warp reduction order: for equal ``warps_k`` the
+    outputs are bit-identical to the register stream's.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        k: int,
+        m_bucket: int,
+        epilogue: str,
+        warps_k: int,
+        unroll: int,
+        weight_stages: int,
+        grid_ctas: int,
+        out_cols: int | None = None,
+        use_pdl: bool = True,
+        min_ctas_per_sm: int | None = None,
+    ):
+        if epilogue not in STAGED_EPILOGUES:
+            raise ValueError(
+                f"the staged weight stream supports the {STAGED_EPILOGUES} epilogues, "
+                f"got {epilogue!r}"
+            )
+        super().__init__(
+            n, k, m_bucket, epilogue, warps_k, 1, unroll, out_cols=out_cols,
+            use_pdl=use_pdl, min_ctas_per_sm=min_ctas_per_sm,
+        )  # fmt: skip
+        if weight_stages < STAGES_PER_TILE:
+            raise ValueError(
+                f"weight_stages={weight_stages}: a tile needs {STAGES_PER_TILE} stages"
+            )
+        if grid_ctas < 1:
+            raise ValueError(f"grid_ctas must be >= 1, got {grid_ctas}")
+        self.weight_stages = weight_stages
+        self.grid_ctas = min(grid_ctas, self.num_tiles)
+        self.row_pitch = stage_row_pitch(k)
+        self.stage_elems = ROWS_PER_STAGE * self.row_pitch
+        self.stage_bytes = ROWS_PER_STAGE * 2 * k  # what a stage's copies bring
+        self.smem_bytes = (
+            weight_stages * self.stage_elems * 2  # the ring (128-byte aligned first)
+            # An mbarrier a stage, padded: the reduction buffer is 16-byte aligned.
+            + ceil_div(weight_stages * 8, 16) * 16
+            + warps_k * WARP_THREADS * self.values_per_lane * 4  # warp reduction
+        )
+        if self.smem_bytes > MAX_SMEM_PER_CTA:
+            raise ValueError(
+                f"{weight_stages} stages of {ROWS_PER_STAGE} rows of K={k} take "
+                f"{self.smem_bytes} bytes of shared memory a CTA; SM90 gives a CTA "
+                f"{MAX_SMEM_PER_CTA}"
+            )
+
+    @cute.jit
+    def __call__(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        residual_ptr: cute.Pointer,
+        residual_out_ptr: cute.Pointer,
+        gamma_ptr: cute.Pointer,
+        partial_ptr: cute.Pointer,
+        counter_ptr: cute.Pointer,
+        sumsq_ptr: cute.Pointer,
+        m: Int32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(
+            x_ptr,
+            w_ptr,
+            out_ptr,
+            residual_ptr,
+            residual_out_ptr,
+            gamma_ptr,
+            partial_ptr,
+            counter_ptr,
+            sumsq_ptr,
+            m,
+        ).launch(  # fmt: skip
+            grid=[self.grid_ctas, 1, 1],
+            block=[self.threads, 1, 1],
+            smem=self.smem_bytes,
+            stream=stream,
+            use_pdl=self.use_pdl,
+            **self.launch_bounds,
+        )
+
+    @cute.jit
+    def _load_stage(self, atom, w_ptr, ring, bars, first_tile, stage, slot):
+        """Put stage ``stage`` of this CTA's run (rows of tile ``first_tile +
+        stage // 2``) in flight into ring slot ``slot``: warp 0, one elected
+        thread arming the slot's mbarrier with the stage's bytes.  Rows past N
+        copy the last row (computed, never stored)."""
+        n, k = self.n, self.k
+        row0 = (first_tile + stage // STAGES_PER_TILE) * ROWS_PER_TILE + (
+            stage % STAGES_PER_TILE
+        ) * ROWS_PER_STAGE
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(
+                bars.iterator + slot, self.stage_bytes
+            )
+        for r in cutlass.range_constexpr(ROWS_PER_STAGE):
+            row = row0 + r
+            if const_expr(self.n_ragged):
+                row = cutlass.min(row, n - 1)
+            src = cute.make_tensor(w_ptr + row * k, cute.make_layout((k,)))
+            dst = cute.make_tensor(
+                ring.iterator + slot * self.stage_elems + r * self.row_pitch,
+                cute.make_layout((k,)),
+            )
+            cute.copy(atom, src, dst, mbar_ptr=bars.iterator + slot)
+
+    @cute.kernel
+    def kernel(
+        self,
+        x_ptr: cute.Pointer,
+        w_ptr: cute.Pointer,
+        out_ptr: cute.Pointer,
+        residual_ptr: cute.Pointer,
+        residual_out_ptr: cute.Pointer,
+        gamma_ptr: cute.Pointer,
+        partial_ptr: cute.Pointer,
+        counter_ptr: cute.Pointer,
+        sumsq_ptr: cute.Pointer,
+        m: Int32,
+    ):
+        stages, halves, vals = self.weight_stages, self.halves, self.values_per_lane
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        if const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % WARP_THREADS
+        quad_row = lane // LANES_PER_QUAD
+        quad_lane = lane % LANES_PER_QUAD
+
+        smem = cutlass.utils.SmemAllocator()
+        # ring[slot, row, chunk, e]: element e of 16-byte chunk of row of a stage.
+        ring = smem.allocate_tensor(
+            BFloat16,
+            cute.make_layout(
+                (stages, ROWS_PER_STAGE, self.row_pitch // CHUNK, CHUNK),
+                stride=(self.stage_elems, self.row_pitch, CHUNK, 1),
+            ),
+            byte_alignment=SHARED_BANK_SPAN,
+        )
+        bars = smem.allocate_tensor(Int64, cute.make_layout((stages,)), 8)
+        red = smem.allocate_tensor(
+            Float32,
+            cute.make_layout((self.warps_k, WARP_THREADS, vals)),
+            byte_alignment=16,
+        )
+        # This CTA's run of tiles.
+        first_tile = cta * self.num_tiles // self.grid_ctas
+        tiles = (cta + 1) * self.num_tiles // self.grid_ctas - first_tile
+        run_stages = tiles * STAGES_PER_TILE
+        atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), BFloat16)
+
+        if tidx == 0:
+            for s in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(bars.iterator + s, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        # The weight never depends on the kernel before: fill the ring first.
+        if warp == 0:
+            for s in cutlass.range_constexpr(stages):
+                if s < run_stages:
+                    self._load_stage(atom, w_ptr, ring, bars, first_tile, s, s)
+        if const_expr(self.use_pdl):
+            cute.arch.griddepcontrol_wait()
+
+        x_chunks = cute.make_tensor(
+            x_ptr,
+            cute.make_layout(
+                (MAX_TOKENS, self.k_chunks, CHUNK), stride=(self.k, CHUNK, 1)
+            ),
+        )
+        # Token columns past m read token m-1 (valid memory); never stored.
+        x_rows = [
+            cutlass.min(quad_row + h * TOKENS_PER_MMA, m - 1) for h in range(halves)
+        ]
+        first_step = warp * self.steps_per_warp
+        xs = self.mma.load_activations(x_chunks, x_rows, first_step, quad_lane)
+        total = cute.make_rmem_tensor((vals,), Float32)
+        # The register stream's residual/norm state: unused by these epilogues.
+        unused = cute.make_rmem_tensor((vals,), Float32)
+        for t in cutlass.range(tiles):
+            lo = t * STAGES_PER_TILE
+            lo_slot = lo % stages
+            hi_slot = (lo + 1) % stages
+            cute.arch.mbarrier_wait(bars.iterator + lo_slot, (lo // stages) % 2)
+            cute.arch.mbarrier_wait(bars.iterator + hi_slot, ((lo + 1) // stages) % 2)
+            acc = new_accumulators(halves)
+            self.mma.accumulate_staged(
+                acc, ring[lo_slot, None, None, None], ring[hi_slot, None, None, None],
+                xs, first_step, quad_row, quad_lane,
+            )  # fmt: skip
+            # Its first barrier ends every warp's reads of the tile's stages.
+            self.mma.reduce_warps(acc, total, red, warp, lane, self.warps_k)
+            if warp == 0:
+                # Order those generic-proxy reads before the async-proxy refill.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                if lo + stages < run_stages:
+                    self._load_stage(
+                        atom, w_ptr, ring, bars, first_tile, lo + stages, lo_slot
+                    )
+                if lo + 1 + stages < run_stages:
+                    self._load_stage(
+                        atom, w_ptr, ring, bars, first_tile, lo + 1 + stages, hi_slot
+                    )
+                self._epilogue(
+                    total, first_tile + t, lane, quad_row, quad_lane, m, out_ptr,
+                    unused, unused, residual_out_ptr, unused, counter_ptr,
+                    sumsq_ptr, unused,
+                )  # fmt: skip

@@ -41,11 +41,14 @@ from .kernel import (
     NORM_COUNTERS,
     RESIDUAL_EPILOGUES,
     ROWS_PER_TILE,
+    STAGED_EPILOGUES,
+    STAGES_PER_TILE,
     SUMSQ_BUFFERS,
     TOKENS_PER_MMA,
     WARP_THREADS,
     RowGroups,
     SkinnyGemmKernel,
+    StagedSkinnyGemmKernel,
     uses_cluster_split_k,
 )
 
@@ -84,6 +87,15 @@ BARRIER_MAX_WARPS = 8
 # equal at 4, 0.6-1.0 us faster at 8, 3-4 us at 16; docs/perf/gemm_notes.md).
 BARRIER_MIN_TOKENS = 4
 
+# The weight stream staged through shared memory (``weight_stages``): CTAs of 8
+# warps splitting K (one CTA an SM walks ~6 tiles of the KDA in_proj; its warps'
+# activations stay in registers), shared-memory reads of 3 K-steps before their
+# MMAs (the data is on chip: a short batch covers its latency and keeps the
+# registers for the activations), one CTA an SM.
+STAGED_WARPS = 8
+STAGED_UNROLL = 3
+STAGED_CTAS_PER_SM = 1
+
 _COMPILED: dict[tuple, object] = {}
 COMPILE_SECONDS: dict[tuple, float] = {}
 
@@ -98,10 +110,30 @@ class GemmConfig:
     # Launch bounds: the CTAs an SM is promised to hold, so that ptxas may use
     # the registers they leave (None: no bounds; ``SkinnyGemmKernel``).
     min_ctas_per_sm: int | None = None
+    # Shared-memory stages of 8 weight rows (``StagedSkinnyGemmKernel``; None:
+    # the register stream).
+    weight_stages: int | None = None
 
 
 def m_bucket_for(m: int) -> int:
     return TOKENS_PER_MMA if m <= TOKENS_PER_MMA else MAX_TOKENS
+
+
+def _by_bucket(
+    value: int | dict[int, int] | None, buckets: Iterable[int], name: str
+) -> dict[int, int]:
+    """{M-bucket: v} of ``value``: one v for every one of ``buckets``, or
+    {bucket: v} for some of them (a bucket not among ``buckets`` raises, naming
+    ``name``); {} for None."""
+    buckets = sorted(buckets)
+    if value is None:
+        return {}
+    if isinstance(value, int):
+        return dict.fromkeys(buckets, value)
+    unknown = sorted(set(value) - set(buckets))
+    if unknown:
+        raise ValueError(f"{name} names M-buckets {unknown}; the GEMM's are {buckets}")
+    return dict(value)
 
 
 def launch_bounds_by_bucket(
@@ -110,17 +142,7 @@ def launch_bounds_by_bucket(
     """{M-bucket: CTAs an SM} of ``min_ctas_per_sm``: one bound for every one of
     ``buckets``, or {bucket: bound} for some of them (a bucket not among
     ``buckets`` raises); {} for None."""
-    buckets = sorted(buckets)
-    if min_ctas_per_sm is None:
-        return {}
-    if isinstance(min_ctas_per_sm, int):
-        return dict.fromkeys(buckets, min_ctas_per_sm)
-    unknown = sorted(set(min_ctas_per_sm) - set(buckets))
-    if unknown:
-        raise ValueError(
-            f"min_ctas_per_sm names M-buckets {unknown}; the GEMM's are {buckets}"
-        )
-    return dict(min_ctas_per_sm)
+    return _by_bucket(min_ctas_per_sm, buckets, "min_ctas_per_sm")
 
 
 def choose_config(n: int, k: int, m_bucket: int, num_sms: int) -> GemmConfig:
@@ -258,6 +280,14 @@ class PreparedGemm:
     them (buckets TOKENS_PER_MMA and MAX_TOKENS).  The RMSNorm's grid barrier
     needs BARRIER_MAX_TILES_PER_SM CTAs an SM, so a smaller bound is refused
     there.
+
+    weight_stages: None (default, the register stream), or the shared-memory
+    stages of 8 weight rows a CTA keeps in flight with bulk copies
+    (``StagedSkinnyGemmKernel``; ``plain`` and ``silu_mul`` only;
+    STAGED_WARPS-warp CTAs, STAGED_CTAS_PER_SM an SM) at every M-bucket, or
+    {M-bucket: stages} for some of them.  The stages fill before the PDL wait:
+    ``prewait_steps`` and ``weight_l2_policy`` apply to the register-stream
+    buckets only (``min_ctas_per_sm`` to every bucket it names).
     """
 
     def __init__(
@@ -273,12 +303,25 @@ class PreparedGemm:
         weight_l2_policy: str | None = None,
         prewait_steps: int | None = None,
         min_ctas_per_sm: int | dict[int, int] | None = None,
+        weight_stages: int | dict[int, int] | None = None,
     ):
         if epilogue not in EPILOGUES:
             raise ValueError(
                 f"unknown epilogue {epilogue!r}; expected one of {EPILOGUES}"
             )
         l2_policy_value(weight_l2_policy)  # raises on an unknown name
+        buckets = (TOKENS_PER_MMA, MAX_TOKENS)
+        stages = _by_bucket(weight_stages, buckets, "weight_stages")
+        if any(count < STAGES_PER_TILE for count in stages.values()):
+            raise ValueError(
+                f"weight_stages: a tile takes {STAGES_PER_TILE} stages, got "
+                f"{weight_stages!r}"
+            )
+        if stages and epilogue not in STAGED_EPILOGUES:
+            raise ValueError(
+                f"weight_stages: the staged weight stream supports the "
+                f"{STAGED_EPILOGUES} epilogues, not {epilogue!r}"
+            )
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError("weight must be a 2-D [N, K] torch.Tensor")
         if not weight.is_cuda:
@@ -332,6 +375,7 @@ class PreparedGemm:
         self.weight = weight
         self.n_packed = weight.shape[0]
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.num_sms = num_sms
         self.configs = {
             b: (config or {}).get(b) or choose_config(self.n_packed, k, b, num_sms)
             for b in (TOKENS_PER_MMA, MAX_TOKENS)
@@ -341,6 +385,10 @@ class PreparedGemm:
                 b: replace(c, prewait_steps=prewait_steps)
                 for b, c in self.configs.items()
             }
+        for bucket, count in stages.items():
+            self.configs[bucket] = GemmConfig(
+                STAGED_WARPS, 1, STAGED_UNROLL, weight_stages=count
+            )
         bounds = launch_bounds_by_bucket(min_ctas_per_sm, self.configs)
         self.configs = {
             b: replace(c, min_ctas_per_sm=bounds[b]) if b in bounds else c
@@ -408,8 +456,11 @@ class PreparedGemm:
             self.n_packed, self.k, self.out_features, bucket, self.epilogue, c,
             self.eps, self.use_pdl, barrier, self.barrier_max_polls,
             uses_cluster_split_k(c.split_k, self.cluster_split_k),
-            self.weight_l2_policy,
+            self.weight_l2_policy, c.weight_stages and self._staged_grid(),
         )  # fmt: skip
+
+    def _staged_grid(self) -> int:
+        return STAGED_CTAS_PER_SM * self.num_sms
 
     def compile(self, buckets=(TOKENS_PER_MMA, MAX_TOKENS)) -> dict[int, float]:
         """Compile (or fetch from the process cache) every variant the buckets
@@ -425,17 +476,25 @@ class PreparedGemm:
         key = self._key(bucket, barrier)
         if key not in _COMPILED:
             c = self.configs[bucket]
-            kern = SkinnyGemmKernel(
-                self.n_packed, self.k, bucket, self.epilogue,
-                c.warps_k, c.split_k, c.unroll, self.eps,
-                out_cols=self.out_features, use_pdl=self.use_pdl,
-                norm_by_every_tile=barrier,
-                barrier_max_polls=self.barrier_max_polls,
-                cluster_split_k=self.cluster_split_k,
-                weight_l2_policy=self.weight_l2_policy,
-                prewait_steps=c.prewait_steps,
-                min_ctas_per_sm=c.min_ctas_per_sm,
-            )  # fmt: skip
+            if c.weight_stages is not None:
+                kern = StagedSkinnyGemmKernel(
+                    self.n_packed, self.k, bucket, self.epilogue, c.warps_k,
+                    c.unroll, c.weight_stages, self._staged_grid(),
+                    out_cols=self.out_features, use_pdl=self.use_pdl,
+                    min_ctas_per_sm=c.min_ctas_per_sm,
+                )  # fmt: skip
+            else:
+                kern = SkinnyGemmKernel(
+                    self.n_packed, self.k, bucket, self.epilogue,
+                    c.warps_k, c.split_k, c.unroll, self.eps,
+                    out_cols=self.out_features, use_pdl=self.use_pdl,
+                    norm_by_every_tile=barrier,
+                    barrier_max_polls=self.barrier_max_polls,
+                    cluster_split_k=self.cluster_split_k,
+                    weight_l2_policy=self.weight_l2_policy,
+                    prewait_steps=c.prewait_steps,
+                    min_ctas_per_sm=c.min_ctas_per_sm,
+                )  # fmt: skip
             bf16 = _ptr(self.weight, cutlass.BFloat16)
             w, g, p, cnt, sq = self._static_ptrs
             start = time.perf_counter()

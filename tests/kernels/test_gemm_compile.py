@@ -26,6 +26,8 @@ from kernels.gemm.kernel import (  # noqa: E402
     MAX_CLUSTER_SPLIT_K,
     RowGroups,
     SkinnyGemmKernel,
+    StagedSkinnyGemmKernel,
+    stage_row_pitch,
     uses_cluster_split_k,
 )
 from kernels.gemm.prepared import launch_bounds_by_bucket  # noqa: E402
@@ -271,3 +273,59 @@ def test_launch_bounds_beyond_an_sm_are_refused(ctas):
 def test_prewait_steps_outside_the_warps_k_range_are_refused():
     with pytest.raises(ValueError, match="prewait_steps=19 outside 0..18"):
         _in_proj_kernel(19)
+
+
+def _staged_in_proj(m_bucket=8, stages=4, epilogue="plain", n=12576, k=2304, ctas=None):
+    """The KDA in_proj through 8-row shared-memory stages: 8 warps of 9 K-steps,
+    one CTA on each of 132 SMs."""
+    return StagedSkinnyGemmKernel(n, k, m_bucket, epilogue, 8, 3, stages, 132, min_ctas_per_sm=ctas)
+
+
+@pytest.mark.parametrize("m_bucket", [8, 16])
+def test_staged_stream_fills_the_ring_before_the_wait(tmp_path, m_bucket):
+    """Before griddepcontrol.wait: the 4 stages armed on their mbarriers and
+    their 8 row copies each in flight, no other global load. After it: the
+    activations once (9 K-steps x the bucket's 8-token halves), then per tile
+    the stage waits, 16-byte shared reads and MMAs; a stage is refilled only
+    after the warps' reduction barrier and a proxy fence."""
+    ptx = compiled_ptx(tmp_path, "test_gemm_compile", f"_compile(t._staged_in_proj({m_bucket}))")
+    body = ptx[ptx.index(".entry") :]
+    bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+    before, _, after = body.partition("griddepcontrol.wait;")
+    assert before.count("mbarrier.arrive.expect_tx") == 4
+    assert before.count(bulk) == 4 * 8
+    assert before.index("fence.mbarrier_init") < before.index(bulk)
+    assert "ld.global" not in before
+    assert after.count("ld.global.v4") == 9 * (m_bucket // 8)
+    stage_wait = after.index("mbarrier.try_wait.parity")
+    reads = after.index("ld.shared.v4", stage_wait)
+    assert after.index("ld.global.v4") < stage_wait < reads < after.index("mma.sync", reads)
+    fence = after.index("fence.proxy.async.shared::cta")
+    assert reads < after.rindex("bar.sync", 0, fence) < fence < after.index(bulk, fence)
+    # Two refill sites (the tile's two stages) of 8 row copies each.
+    assert after.count(bulk) == 2 * 8
+
+
+@needs_sass_tools
+def test_staged_stream_keeps_the_activations_in_registers_without_spills(tmp_path):
+    """At 16 tokens a warp holds its 9 K-steps of activations for both 8-token
+    halves (72 registers) across the tiles: ptxas must not spill them."""
+    ptx = compiled_ptx(tmp_path, "test_gemm_compile", "_compile(t._staged_in_proj(16))")
+    sass = compile_sass(tmp_path, ptx, "staged16")
+    assert sass.spill_bytes == 0 and sass.registers <= 255
+
+
+def test_stage_rows_sit_64_bytes_apart_modulo_128():
+    for k in (128, 1024, 2304, 2312, 2328, 4096, 9216):
+        pitch = stage_row_pitch(k)
+        assert k <= pitch < k + 64 and (2 * pitch) % 128 == 64, k
+
+
+def test_staged_stream_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="supports the .* epilogues, got 'residual_sumsq'"):
+        _staged_in_proj(epilogue="residual_sumsq")
+    with pytest.raises(ValueError, match="a tile needs 2 stages"):
+        _staged_in_proj(stages=1)
+    with pytest.raises(ValueError, match="bytes of shared memory a CTA"):
+        _staged_in_proj(stages=4, k=4096)
+    assert _staged_in_proj(stages=3, k=4096).smem_bytes <= 227 * 1024

@@ -292,11 +292,12 @@ class FakeKernels(decode.KernelFactory):
         self.built: list = []
 
     def gemm(self, weight, epilogue="plain", rmsnorm_weight=None, eps=1e-5, prewait_steps=None,
-             min_ctas_per_sm=None):  # fmt: skip
+             min_ctas_per_sm=None, weight_stages=None):  # fmt: skip
         self.gemm_shapes.add(tuple(weight.shape))
         kernel = FakeGemm(
             self.log, "gemm", weight=weight, epilogue=epilogue, norm=rmsnorm_weight, eps=eps,
             prewait_steps=prewait_steps, min_ctas_per_sm=min_ctas_per_sm,
+            weight_stages=weight_stages,
         )  # fmt: skip
         self.built.append(kernel)
         return kernel
@@ -538,6 +539,16 @@ def test_the_kda_in_proj_mla_qkv_a_and_dense_gate_up_take_launch_bounds_at_m_buc
         want = {16: 4} if id(gemm.bound["weight"]) in bounded else None
         assert gemm.bound["min_ctas_per_sm"] == want
     assert sum(g.bound["min_ctas_per_sm"] is not None for g in gemms) == len(bounded)
+
+
+def test_only_the_kda_in_proj_streams_its_weight_through_shared_memory_at_m_bucket_8():
+    model, executor, kernels = build()
+    in_projs = {id(layer.attn.in_proj.weight) for layer in executor.layers
+                if isinstance(layer.attn, decode.KdaLayer)}  # fmt: skip
+    for gemm in (k for k in kernels.built if k.kind == "gemm"):
+        want = {8: 2} if id(gemm.bound["weight"]) in in_projs else None
+        assert gemm.bound["weight_stages"] == want
+    assert decode.KDA_IN_PROJ_WEIGHT_STAGES == {8: 2}
 
 
 def test_o_proj_before_a_moe_leaves_the_norm_to_the_router():
@@ -1187,6 +1198,88 @@ def test_the_kernel_factory_names_the_switch_when_a_gemm_cannot_take_its_steps(
     monkeypatch.delenv("VLLM_HD_GEMM_PREWAIT")
     with pytest.raises(ValueError, match=r"^prewait_steps=20 outside 0\.\.18$"):
         decode.KernelFactory(clusters=True).gemm(torch.empty(12576, 2304), prewait_steps=20)
+
+
+@pytest.mark.parametrize(
+    ("environ", "stages"),
+    [({}, {}), ({"VLLM_HD_GEMM_WEIGHT_STAGES": ""}, {}),
+     ({"VLLM_HD_GEMM_WEIGHT_STAGES": "0"}, None),
+     ({"VLLM_HD_GEMM_WEIGHT_STAGES": "12576x2304:4"}, {(12576, 2304): {8: 4, 16: 4}}),
+     ({"VLLM_HD_GEMM_WEIGHT_STAGES": "12576x2304:0"}, {(12576, 2304): {}}),
+     ({"VLLM_HD_GEMM_WEIGHT_STAGES": "12576x2304:5@8,6720x2304:2"},
+      {(12576, 2304): {8: 5}, (6720, 2304): {8: 2, 16: 2}})],
+)  # fmt: skip
+def test_the_gemm_weight_stages_switch(environ, stages):
+    assert decode.gemm_weight_stages_from_env(environ) == stages
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["12576x2304:1", "12576x2304:10", "12576x2304", "12576x2304:4,12576x2304:5", "4",
+     "12576x2304:4@4", "12576x2304:@8", "00"],
+)  # fmt: skip
+def test_other_gemm_weight_stages_values_fail_at_start_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VLLM_HD_GEMM_WEIGHT_STAGES", value)
+    with pytest.raises(
+        ValueError,
+        match=f"VLLM_HD_GEMM_WEIGHT_STAGES={re.escape(repr(value))}: expected 0 or NxK:S",
+    ):
+        decode.check_environment()
+
+
+def test_the_kernel_factory_hands_the_weight_stages_to_the_gemm(monkeypatch):
+    """The executor's stages unless the switch names the shape (its stages, or
+    none for S = 0) or is 0 (none anywhere); the pre-wait steps and launch bounds
+    go along (PreparedGemm applies them to the register-stream buckets)."""
+    prepared = pytest.importorskip(
+        "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.gemm.prepared",
+        reason="CuTe DSL is not installed",
+    )
+    monkeypatch.setattr(prepared, "PreparedGemm", lambda *args, **kwargs: kwargs)
+    in_proj, other = torch.empty(12576, 2304), torch.empty(6720, 2304)
+    executor_choice = {"prewait_steps": 3, "min_ctas_per_sm": {16: 4}, "weight_stages": {8: 2}}
+    taken = decode.KernelFactory(clusters=True).gemm(in_proj, **executor_choice)
+    assert {k: taken[k] for k in executor_choice} == executor_choice
+    assert decode.KernelFactory(clusters=True).gemm(other)["weight_stages"] is None
+    monkeypatch.setenv("VLLM_HD_GEMM_WEIGHT_STAGES", "12576x2304:4,6720x2304:2@8")
+    factory = decode.KernelFactory(clusters=True)
+    assert factory.gemm(in_proj, **executor_choice)["weight_stages"] == {8: 4, 16: 4}
+    assert factory.gemm(other)["weight_stages"] == {8: 2}
+    monkeypatch.setenv("VLLM_HD_GEMM_WEIGHT_STAGES", "12576x2304:0")
+    taken = decode.KernelFactory(clusters=True).gemm(in_proj, **executor_choice)
+    assert taken["weight_stages"] is None and taken["prewait_steps"] == 3
+    monkeypatch.setenv("VLLM_HD_GEMM_WEIGHT_STAGES", "0")
+    assert (
+        decode.KernelFactory(clusters=True).gemm(in_proj, **executor_choice)["weight_stages"]
+        is None
+    )
+
+
+def test_a_gemm_that_cannot_be_staged_fails_naming_the_switch(monkeypatch):
+    prepared = pytest.importorskip(
+        "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.gemm.prepared",
+        reason="CuTe DSL is not installed",
+    )
+
+    def refuse(weight, epilogue="plain", *args, weight_stages=None, **kwargs):
+        if weight_stages is not None and epilogue != "plain":
+            raise ValueError(f"the staged weight stream supports plain, not {epilogue!r}")
+        return weight_stages
+
+    monkeypatch.setattr(prepared, "PreparedGemm", refuse)
+    monkeypatch.setenv("VLLM_HD_GEMM_WEIGHT_STAGES", "2304x4096:2")
+    with pytest.raises(
+        ValueError,
+        match=r"VLLM_HD_GEMM_WEIGHT_STAGES='2304x4096:2': the 2304x4096 GEMM cannot take "
+        r"them: the staged weight stream supports plain, not 'residual_sumsq'",
+    ):
+        decode.KernelFactory(clusters=True).gemm(torch.empty(2304, 4096), "residual_sumsq")
+
+
+def test_a_gemm_weight_stages_shape_no_gemm_has_fails_at_start(monkeypatch):
+    monkeypatch.setenv("VLLM_HD_GEMM_WEIGHT_STAGES", "12345x2304:4")
+    with pytest.raises(ValueError, match=r"VLLM_HD_GEMM_WEIGHT_STAGES='12345x2304:4' names"):
+        build()
 
 
 def test_a_gemm_prewait_shape_no_gemm_has_fails_at_start(monkeypatch):

@@ -248,6 +248,27 @@ GEMM_M_BUCKETS = (8, 16)
 GEMM_MIN_CTAS_ENV = "VLLM_HD_GEMM_MIN_CTAS"
 
 
+def _gemm_bucket_values_from_env(
+    name: str, environ: dict[str, str] | None, value_pattern: str, expected: str
+) -> dict[tuple[int, int], dict[int, int]] | None:
+    """{(N, K) of a weight: {M-bucket: V}} from the variable ``name`` as
+    "NxK:V[@B][,...]" (V matching ``value_pattern``; every M-bucket, or bucket B
+    only; V = 0: {} for that shape), {} if unset or empty, None for "0"; raises,
+    naming the variable and ``expected``, on another value."""
+    if (os.environ if environ is None else environ).get(name) == "0":
+        return None
+    buckets = "|".join(map(str, GEMM_M_BUCKETS))
+    asked = _gemm_shape_values_from_env(
+        name, environ, rf"(?:{value_pattern})(?:@(?:{buckets}))?", expected
+    )
+    values: dict[tuple[int, int], dict[int, int]] = {}
+    for shape, text in asked.items():
+        value, _, bucket = text.partition("@")
+        taking = (int(bucket),) if bucket else GEMM_M_BUCKETS
+        values[shape] = dict.fromkeys(taking, int(value)) if int(value) else {}
+    return values
+
+
 def gemm_min_ctas_from_env(
     environ: dict[str, str] | None = None,
 ) -> dict[tuple[int, int], dict[int, int]] | None:
@@ -255,23 +276,54 @@ def gemm_min_ctas_from_env(
     ``GEMM_MIN_CTAS_ENV`` asks, overriding the executor's bounds for those
     shapes ({} if unset or empty; {} as a shape's value: no bounds); None for
     "0", no bounds on any GEMM. Raises, naming the variable, on another value."""
-    if (os.environ if environ is None else environ).get(GEMM_MIN_CTAS_ENV) == "0":
-        return None
-    buckets = "|".join(map(str, GEMM_M_BUCKETS))
-    asked = _gemm_shape_values_from_env(
+    return _gemm_bucket_values_from_env(
         GEMM_MIN_CTAS_ENV,
         environ,
-        rf"(?:[0-9]|1[0-6])(?:@(?:{buckets}))?",
+        "[0-9]|1[0-6]",
         "0 or NxK:C[@B][,NxK:C[@B]...], a GEMM's weight shape (each once) and the "
         "CTAs C (1-16; 0: none) an SM its launch bounds promise, at every M-bucket or "
         f"at bucket B ({' or '.join(map(str, GEMM_M_BUCKETS))})",
     )
-    bounds: dict[tuple[int, int], dict[int, int]] = {}
-    for shape, text in asked.items():
-        ctas, _, bucket = text.partition("@")
-        taking = (int(bucket),) if bucket else GEMM_M_BUCKETS
-        bounds[shape] = dict.fromkeys(taking, int(ctas)) if int(ctas) else {}
-    return bounds
+
+
+# The KDA in_proj's weight at 1-8 tokens streams through 2 shared-memory stages
+# of 8 rows (PreparedGemm's ``weight_stages``, StagedSkinnyGemmKernel): bulk copies
+# fill the stages before its PDL wait and the KDA step's CTAs still fit beside
+# its 83 KB (3 stages or more crowd them out: the KDA step then starts ~11 us
+# before in_proj's end, not ~29). On one H100 (2026-12-06, `engine-ab
+# VLLM_HD_GEMM_WEIGHT_STAGES` with the model cut to 12 layers, dummy routing),
+# step time against the register stream: -15 us at N = 1 (twice), -20 / -26 at
+# N = 2, -31 at N = 4, +4 at N = 8; at 9-16 tokens (M-bucket 16) +3 at N = 16,
+# so the register stream stays there (docs/perf/gemm_notes.md, "The staged
+# weight stream in the engine"). Same MMAs and reduction order as a register
+# stream of 8 warps; against the default 4-warp one the sums differ in order.
+KDA_IN_PROJ_WEIGHT_STAGES = {8: 2}
+
+# For A/Bs: "NxK:S[@B][,...]" streams the GEMMs of that weight shape through S
+# shared-memory stages of 8 rows (2-9; 0: the register stream) at every M-bucket
+# or at bucket B (8 or 16) only (plain and silu_mul GEMMs), the other shapes
+# keeping the executor's choice; "0" turns the stages off everywhere. Unset or
+# empty: the executor's (KDA_IN_PROJ_WEIGHT_STAGES).
+GEMM_WEIGHT_STAGES_ENV = "VLLM_HD_GEMM_WEIGHT_STAGES"
+
+
+def gemm_weight_stages_from_env(
+    environ: dict[str, str] | None = None,
+) -> dict[tuple[int, int], dict[int, int]] | None:
+    """{(N, K) of a weight: {M-bucket: shared-memory stages}} as
+    ``GEMM_WEIGHT_STAGES_ENV`` asks, overriding the executor's choice for those
+    shapes ({} if unset or empty; {} as a shape's value: the register stream);
+    None for "0", no stages on any GEMM. Raises, naming the variable, on another
+    value."""
+    return _gemm_bucket_values_from_env(
+        GEMM_WEIGHT_STAGES_ENV,
+        environ,
+        "[02-9]",
+        "0 or NxK:S[@B][,NxK:S[@B]...], a GEMM's weight shape (each once) and the "
+        "shared-memory stages S (2-9; 0: none) of 8 weight rows its weight streams "
+        "through, at every M-bucket or at bucket B "
+        f"({' or '.join(map(str, GEMM_M_BUCKETS))})",
+    )
 
 
 # The same for the MoE expert launches, for A/Bs: "G,D", the K-steps of gate_up's
@@ -470,6 +522,7 @@ def check_environment() -> None:
     moe_expert_warps_from_env()
     gemm_prewait_from_env()
     gemm_min_ctas_from_env()
+    gemm_weight_stages_from_env()
     moe_prewait_from_env()
     moe_expert_registers_from_env()
     moe_early_shared_down_from_env()
@@ -507,6 +560,7 @@ class KernelFactory:
         self.moe_expert_warps = moe_expert_warps
         self.gemm_prewait = gemm_prewait_from_env()
         self.gemm_min_ctas = gemm_min_ctas_from_env()
+        self.gemm_weight_stages = gemm_weight_stages_from_env()
         # The weight shapes of the GEMMs built so far: check_gemm_shapes_matched
         # names these when a switch asks for a shape that is not among them.
         self.gemm_shapes: set[tuple[int, int]] = set()
@@ -583,6 +637,24 @@ class KernelFactory:
                 KDA_IN_PROJ_PREWAIT_STEPS,
             )
 
+        def staged(stages: dict[int, int]) -> str:
+            taken = [f"{c} stages at M-bucket {b}" for b, c in stages.items()]
+            return ", ".join(taken) or "none"
+
+        if self.gemm_weight_stages is None:
+            gemm_stages = "none"
+        else:
+            gemm_stages = staged(KDA_IN_PROJ_WEIGHT_STAGES) + " for the KDA in_proj"
+            for (n, k), asked in self.gemm_weight_stages.items():
+                gemm_stages += f"; {n} x {k}: {staged(asked)}"
+        logger.info(
+            "Kimi-Linear specialized decode: GEMM weights through shared-memory "
+            "stages of 8 rows: %s (%s=%r)",
+            gemm_stages,
+            GEMM_WEIGHT_STAGES_ENV,
+            os.environ.get(GEMM_WEIGHT_STAGES_ENV, ""),
+        )
+
         def ctas(bounds: dict[int, int]) -> str:
             taken = [f"{c} CTAs an SM at M-bucket {b}" for b, c in bounds.items()]
             return ", ".join(taken) or "none"
@@ -637,10 +709,14 @@ class KernelFactory:
         eps: float = 1e-5,
         prewait_steps: int | None = None,
         min_ctas_per_sm: dict[int, int] | None = None,
+        weight_stages: dict[int, int] | None = None,
     ) -> Any:
         """``prewait_steps``: the weight K-steps a warp loads before its PDL wait
         (None: the config's ``unroll``); ``min_ctas_per_sm``: launch bounds by
-        M-bucket (None: none). ``GEMM_PREWAIT_ENV`` and ``GEMM_MIN_CTAS_ENV``
+        M-bucket (None: none); ``weight_stages``: the M-buckets whose weight
+        streams through shared-memory stages, and how many (None: none; the
+        other buckets keep the register stream and its pre-wait steps).
+        ``GEMM_PREWAIT_ENV``, ``GEMM_MIN_CTAS_ENV`` and ``GEMM_WEIGHT_STAGES_ENV``
         override them by the weight's shape."""
         from ..cutedsl.gemm.prepared import PreparedGemm
 
@@ -652,6 +728,16 @@ class KernelFactory:
         asked_bounds = (self.gemm_min_ctas or {}).get(shape)
         if asked_bounds is not None:
             min_ctas_per_sm = asked_bounds
+        if self.gemm_weight_stages is None:
+            weight_stages = None
+        asked_stages = (self.gemm_weight_stages or {}).get(shape)
+        if asked_stages is not None:
+            weight_stages = asked_stages
+        stream = {
+            "prewait_steps": prewait_steps if asked is None else asked,
+            "min_ctas_per_sm": min_ctas_per_sm or None,
+            "weight_stages": weight_stages or None,
+        }
         try:
             return PreparedGemm(
                 weight,
@@ -659,13 +745,16 @@ class KernelFactory:
                 rmsnorm_weight=rmsnorm_weight,
                 eps=eps,
                 cluster_split_k=self.clusters,
-                prewait_steps=prewait_steps if asked is None else asked,
-                min_ctas_per_sm=min_ctas_per_sm or None,
+                **stream,
             )
         except ValueError as err:
-            if asked is None and asked_bounds is None:
+            if asked is None and asked_bounds is None and asked_stages is None:
                 raise
-            asked_by = ((GEMM_PREWAIT_ENV, asked), (GEMM_MIN_CTAS_ENV, asked_bounds))
+            asked_by = (
+                (GEMM_PREWAIT_ENV, asked),
+                (GEMM_MIN_CTAS_ENV, asked_bounds),
+                (GEMM_WEIGHT_STAGES_ENV, asked_stages),
+            )
             switches = ", ".join(
                 f"{name}={os.environ.get(name, '')!r}"
                 for name, value in asked_by
@@ -690,12 +779,13 @@ class KernelFactory:
         )
 
     def check_gemm_shapes_matched(self) -> None:
-        """Raise if ``GEMM_PREWAIT_ENV`` or ``GEMM_MIN_CTAS_ENV`` names a weight
-        shape that no GEMM built by this factory has (a mistyped shape would leave
-        an A/B measuring the defaults)."""
+        """Raise if ``GEMM_PREWAIT_ENV``, ``GEMM_MIN_CTAS_ENV`` or
+        ``GEMM_WEIGHT_STAGES_ENV`` names a weight shape that no GEMM built by this
+        factory has (a mistyped shape would leave an A/B measuring the defaults)."""
         for name, asked in (
             (GEMM_PREWAIT_ENV, self.gemm_prewait),
             (GEMM_MIN_CTAS_ENV, self.gemm_min_ctas or {}),
+            (GEMM_WEIGHT_STAGES_ENV, self.gemm_weight_stages or {}),
         ):
             unmatched = sorted(set(asked) - self.gemm_shapes)
             if unmatched:
@@ -1487,6 +1577,7 @@ class KimiLinearDecodeExecutor:
         epilogue: str = EPILOGUE_PLAIN,
         prewait_steps: int | None = None,
         min_ctas_per_sm: dict[int, int] | None = None,
+        weight_stages: dict[int, int] | None = None,
     ) -> None:
         gemm = self._kernel(
             index,
@@ -1496,6 +1587,7 @@ class KimiLinearDecodeExecutor:
                 epilogue,
                 prewait_steps=prewait_steps,
                 min_ctas_per_sm=min_ctas_per_sm,
+                weight_stages=weight_stages,
             ),
         )
         bufs = self.buffers
@@ -1518,6 +1610,7 @@ class KimiLinearDecodeExecutor:
             i, "kda_in_proj", kda.in_proj.weight, x, self.hidden, "kda_proj",
             kda.in_proj.weight.shape[0], prewait_steps=KDA_IN_PROJ_PREWAIT_STEPS,
             min_ctas_per_sm=GEMM_MIN_CTAS_BUCKET_16,
+            weight_stages=KDA_IN_PROJ_WEIGHT_STAGES,
         )  # fmt: skip
         q0, k0, v0, b0, fa0, ga0 = kda.in_proj.offsets
         width = kda.in_proj.weight.shape[0]
