@@ -884,10 +884,10 @@ class StagedSkinnyGemmKernel(SkinnyGemmKernel):
 
     The register stream (``SkinnyGemmKernel``) keeps in flight what its
     registers hold: a few K-steps a warp before its PDL wait.  Here a grid of
-    ``grid_ctas`` CTAs (a few an SM) walks the 16-row tiles in contiguous runs;
-    warp 0 of a CTA puts ``weight_stages`` stages of 8 rows in flight with
-    ``cp.async.bulk`` (one copy a row, completed on the stage's mbarrier)
-    before ``griddepcontrol.wait``, so up to that many rows an SM stream in
+    ``grid_ctas`` CTAs (one an SM in PreparedGemm) walks the 16-row tiles in
+    contiguous runs; warp 0 of a CTA puts ``weight_stages`` stages of 8 rows
+    in flight with ``cp.async.bulk`` (one copy a row, completed on the stage's
+    mbarrier) before ``griddepcontrol.wait``, so up to that many rows an SM stream in
     while the kernel before still runs.  Every warp then owns one K range for
     all tiles: it loads its activations once into registers, and per tile it
     waits for the tile's two stages, runs the MMAs from 16-byte shared-memory
