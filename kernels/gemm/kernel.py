@@ -309,10 +309,7 @@ class SkinnyGemmKernel:
         m: Int32,
         stream: cuda.CUstream,
     ):
-        smem_bytes = self.warps_k * WARP_THREADS * self.values_per_lane * 4
-        smem_bytes += 4 * WARP_THREADS + 4 * MAX_TOKENS  # ticket flag + rstd
-        # Every buffer's size is a multiple of 16 bytes: no alignment padding.
-        smem_bytes += self.cluster_partials_bytes
+        grid, smem_bytes, cluster = self._launch_shape()
         self.kernel(
             x_ptr,
             w_ptr,
@@ -325,14 +322,22 @@ class SkinnyGemmKernel:
             sumsq_ptr,
             m,
         ).launch(  # fmt: skip
-            grid=[self.num_tiles, self.split_k, 1],
+            grid=grid,
             block=[self.threads, 1, 1],
-            cluster=self.cluster_shape,
+            cluster=cluster,
             smem=smem_bytes,
             stream=stream,
             use_pdl=self.use_pdl,
             **self.launch_bounds,
         )
+
+    def _launch_shape(self) -> tuple[list[int], int, list[int] | None]:
+        """(grid, shared-memory bytes, cluster shape) of a launch."""
+        smem_bytes = self.warps_k * WARP_THREADS * self.values_per_lane * 4
+        smem_bytes += 4 * WARP_THREADS + 4 * MAX_TOKENS  # ticket flag + rstd
+        # Every buffer's size is a multiple of 16 bytes: no alignment padding.
+        smem_bytes += self.cluster_partials_bytes
+        return [self.num_tiles, self.split_k, 1], smem_bytes, self.cluster_shape
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -946,40 +951,8 @@ class StagedSkinnyGemmKernel(SkinnyGemmKernel):
                 f"{MAX_SMEM_PER_CTA}"
             )
 
-    @cute.jit
-    def __call__(
-        self,
-        x_ptr: cute.Pointer,
-        w_ptr: cute.Pointer,
-        out_ptr: cute.Pointer,
-        residual_ptr: cute.Pointer,
-        residual_out_ptr: cute.Pointer,
-        gamma_ptr: cute.Pointer,
-        partial_ptr: cute.Pointer,
-        counter_ptr: cute.Pointer,
-        sumsq_ptr: cute.Pointer,
-        m: Int32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(
-            x_ptr,
-            w_ptr,
-            out_ptr,
-            residual_ptr,
-            residual_out_ptr,
-            gamma_ptr,
-            partial_ptr,
-            counter_ptr,
-            sumsq_ptr,
-            m,
-        ).launch(  # fmt: skip
-            grid=[self.grid_ctas, 1, 1],
-            block=[self.threads, 1, 1],
-            smem=self.smem_bytes,
-            stream=stream,
-            use_pdl=self.use_pdl,
-            **self.launch_bounds,
-        )
+    def _launch_shape(self) -> tuple[list[int], int, list[int] | None]:
+        return [self.grid_ctas, 1, 1], self.smem_bytes, None
 
     @cute.jit
     def _load_stage(self, atom, w_ptr, ring, bars, first_tile, stage, slot):
