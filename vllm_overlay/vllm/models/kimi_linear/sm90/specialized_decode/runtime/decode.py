@@ -293,7 +293,7 @@ def gemm_min_ctas_from_env(
 # before in_proj's end, not ~29). On one H100 (2026-12-06, `engine-ab
 # VLLM_HD_GEMM_WEIGHT_STAGES` with the model cut to 12 layers, dummy routing),
 # step time against the register stream: -15 us at N = 1 (twice), -20 / -26 at
-# N = 2, -31 at N = 4, +4 at N = 8; at 9-16 tokens (M-bucket 16) +3 at N = 16,
+# N = 2, -31 at N = 4, +4 at N = 8; at 9-16 tokens (M-bucket 16) +2 at N = 16,
 # so the register stream stays there (docs/perf/gemm_notes.md, "The staged
 # weight stream in the engine"). Same MMAs and reduction order as a register
 # stream of 8 warps; against the default 4-warp one the sums differ in order.
