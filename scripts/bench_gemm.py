@@ -23,7 +23,10 @@ Ours carries the launch bounds the executor gives that weight
 decode launches them. ``--min-ctas 4,6,8`` also times ours (plain, PDL) with launch
 bounds of that many CTAs an SM at every M-bucket (``GemmConfig.min_ctas_per_sm``), in
 the same graphs' method, checked bit for bit against the unbounded launch first; rows
-"min_ctas" in the JSON.
+"min_ctas" in the JSON. Ours also streams the weights the executor stages through shared
+memory that way (``EXECUTOR_WEIGHT_STAGES``; ``--unstaged``: the register stream);
+``--weight-stages 2,3,5`` also times every shape (plain, PDL) with that many stages at
+every M-bucket, checked against the fp32 product; rows "weight_stages" in the JSON.
 
     python3 scripts/bench_gemm.py --out-dir docs/perf
 """
@@ -77,6 +80,9 @@ EXECUTOR_LAUNCH_BOUNDS = {
     "mla_kv_a_proj": {16: 4},
     "dense_gate_up": {16: 4},
 }
+# {M-bucket: stages} of the weights the executor streams through shared memory
+# (runtime/decode.py's KDA_IN_PROJ_WEIGHT_STAGES).
+EXECUTOR_WEIGHT_STAGES = {"kda_in_qkv_b_fa_ga": {8: 2}}
 
 
 def _silu_mul(y):
@@ -139,6 +145,16 @@ def main() -> int:
         help="time ours without the executor's launch bounds (EXECUTOR_LAUNCH_BOUNDS)",
     )
     ap.add_argument(
+        "--unstaged",
+        action="store_true",
+        help="time ours with the register stream only (no EXECUTOR_WEIGHT_STAGES)",
+    )
+    ap.add_argument(
+        "--weight-stages",
+        default="",
+        help="comma list of shared-memory stage counts to time ours plain with",
+    )
+    ap.add_argument(
         "--sweep",
         action="store_true",
         help="also time alternative (warps_k, split_k, unroll) configs, all without launch "
@@ -146,6 +162,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     args.min_ctas = [int(c) for c in args.min_ctas.split(",") if c]
+    args.weight_stages = [int(c) for c in args.weight_stages.split(",") if c]
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU (SM90)", file=sys.stderr)
         return 2
@@ -170,6 +187,7 @@ def main() -> int:
     rows = []
     sweep_rows = []
     bound_rows = []
+    staged_rows = []
     compile_log = {}
     gen = torch.Generator(device=dev).manual_seed(0)
     for name in names:
@@ -184,9 +202,12 @@ def main() -> int:
         gamma = (1 + 0.1 * torch.randn(n, device=dev, generator=gen)).to(torch.bfloat16)
         variants = ["plain"] + ([epilogue] if epilogue != "plain" else [])
         bounds = None if args.unbounded else EXECUTOR_LAUNCH_BOUNDS.get(name)
+        stages = None if args.unstaged else EXECUTOR_WEIGHT_STAGES.get(name)
         prepared = {}
         for ep in variants:
             kw = {"rmsnorm_weight": gamma, "eps": EPS} if ep == "residual_rmsnorm" else {}
+            if stages:
+                kw["weight_stages"] = stages
             for pdl in (True, False):
                 key = ep if pdl else ep + "_nopdl"
                 prepared[key] = [
@@ -205,9 +226,20 @@ def main() -> int:
             prepared[key] = [pg.PreparedGemm(w, "plain", min_ctas_per_sm=ctas) for w in weights]
             secs = prepared[key][0].compile()
             compile_log[f"{name}/{key}"] = {str(b): round(v, 3) for b, v in secs.items()}
+        for count in args.weight_stages:
+            key = f"plain_stages{count}"
+            try:
+                prepared[key] = [pg.PreparedGemm(w, "plain", weight_stages=count) for w in weights]
+                secs = prepared[key][0].compile()
+            except ValueError as exc:  # e.g. the stages do not fit a CTA's shared memory
+                prepared.pop(key, None)
+                staged_rows.append({"shape": name, "weight_stages": count, "error": str(exc)})
+                print(f"   {name} weight_stages {count}: {exc}", flush=True)
+                continue
+            compile_log[f"{name}/{key}"] = {str(b): round(v, 3) for b, v in secs.items()}
         ctx = (
             n, k, epilogue, weights, prepared, gamma, copies, calls, dev, gen,
-            silu_mul_k, add_rmsnorm_k, args, sweep_rows, bound_rows,
+            silu_mul_k, add_rmsnorm_k, args, sweep_rows, bound_rows, staged_rows,
         )  # fmt: skip
         for m in M_VALUES:
             row = _measure(ctx, name, m)
@@ -256,6 +288,9 @@ def main() -> int:
         "launch_bounds": {}
         if args.unbounded
         else {s: {str(b): c for b, c in v.items()} for s, v in EXECUTOR_LAUNCH_BOUNDS.items()},
+        "weight_stages": {}
+        if args.unstaged
+        else {s: {str(b): c for b, c in v.items()} for s, v in EXECUTOR_WEIGHT_STAGES.items()},
         "large_means": "N*K >= 4*2**20 (4M elements)",
     }
     configs = {}
@@ -271,6 +306,7 @@ def main() -> int:
         "compile_seconds": compile_log,
         "sweep": sweep_rows,
         "min_ctas": bound_rows,
+        "weight_stages": staged_rows,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "gemm.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -283,7 +319,7 @@ def _measure(ctx, name, m):
     """Time ours (PDL / no PDL), cuBLAS and cuBLAS+epilogue for one (shape, M);
     returns the row (or None after a failed correctness guard)."""
     (n, k, epilogue, weights, prepared, gamma, copies, calls, dev, gen,
-     silu_mul_k, add_rmsnorm_k, args, sweep_rows, bound_rows) = ctx  # fmt: skip
+     silu_mul_k, add_rmsnorm_k, args, sweep_rows, bound_rows, staged_rows) = ctx  # fmt: skip
     wbytes = n * k * 2
     x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
     y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
@@ -388,6 +424,33 @@ def _measure(ctx, name, m):
             f"   {name} M={m} min_ctas {ctas}: {t:.2f} us (unbounded {unbounded_us:.2f})",
             flush=True,
         )
+    for count in args.weight_stages:
+        staged = prepared.get(f"plain_stages{count}")
+        if staged is None:
+            continue
+        staged[0].run(x, y)
+        err = float((y.float() - ref).norm() / ref.norm())
+        if err > 5e-3:
+            print(f"error: {name} M={m} {count} stages: relative error {err:.2e}", file=sys.stderr)
+            return None
+        t, sd = _time_graph([(lambda p=staged[i % copies]: p.run(x, y)) for i in range(calls)])
+        staged_rows.append(
+            {
+                "shape": name,
+                "M": m,
+                "weight_stages": count,
+                "us": t,
+                "sd_us": sd,
+                "ours_us": row["ours_plain_us"],
+                "cublas_us": row["cublas_us"],
+                "bw_frac": wbytes / t / 1e6 / HBM_READ_TBPS,
+            }
+        )
+        print(
+            f"   {name} M={m} weight_stages {count}: {t:.2f} us "
+            f"(ours {row['ours_plain_us']:.2f}, cublas {row['cublas_us']:.2f})",
+            flush=True,
+        )
     if args.sweep and m in (1, 16):
         bucket = pg.m_bucket_for(m)
         base = prepared["plain"][0].configs[bucket]
@@ -457,6 +520,13 @@ def _markdown(result) -> str:
             else "none"
         )
         + ".",
+        "- Weight stages of ours, as the executor sets them ({M-bucket: stages}): "
+        + (
+            ", ".join(f"{k} {v}" for k, v in s["weight_stages"].items())
+            if s.get("weight_stages")
+            else "none (the register stream)"
+        )
+        + ".",
         "",
         "## Summary",
         "",
@@ -518,6 +588,20 @@ def _markdown(result) -> str:
             out.append(
                 f"| {r['shape']} | {r['M']} | {r['min_ctas_per_sm']} | {r['us']:.2f} | "
                 f"{r['unbounded_us']:.2f} | {r['unbounded_us'] / r['us']:.3f}x |"
+            )
+    if result.get("weight_stages"):
+        out += ["", "## Weight stages at every M-bucket (plain, PDL, us)", ""]
+        out += [
+            "| shape | M | stages | staged | ours | cuBLAS | staged BW % |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in result["weight_stages"]:
+            if "error" in r:
+                out.append(f"| {r['shape']} | - | {r['weight_stages']} | {r['error']} | | | |")
+                continue
+            out.append(
+                f"| {r['shape']} | {r['M']} | {r['weight_stages']} | {r['us']:.2f} | "
+                f"{r['ours_us']:.2f} | {r['cublas_us']:.2f} | {r['bw_frac'] * 100:.1f} |"
             )
     return "\n".join(out) + "\n"
 

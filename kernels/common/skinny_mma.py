@@ -236,16 +236,20 @@ class WarpRowTileMma:
         return mma_atom, frag_a, frag_b
 
     @cute.jit
-    def load_activations(self, x_chunks: cute.Tensor, x_rows, first_step, quad_lane):
-        """This lane's activation chunks of the warp's whole K range, ``[step][h]``
-        (zeros past K), for a warp that keeps its K range over many row tiles
-        (``accumulate_staged``)."""
+    def load_activations(
+        self, x_chunks: cute.Tensor, x_rows, first_step, quad_lane, start=0, count=None
+    ):
+        """This lane's activation chunks of K-steps ``start .. start + count``
+        of the warp's range (default: all of it), ``[step][h]`` (zeros past K):
+        held across a warp's row tiles (``accumulate_staged``), or one batch's."""
+        if cutlass.const_expr(count is None):
+            count = self.steps
         xs = [
             [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(self.halves)]
-            for _ in range(self.steps)
+            for _ in range(count)
         ]
-        for j in cutlass.range_constexpr(self.steps):
-            chunk = (first_step + j) * LANES_PER_QUAD + quad_lane
+        for j in cutlass.range_constexpr(count):
+            chunk = (first_step + start + j) * LANES_PER_QUAD + quad_lane
             for h in cutlass.range_constexpr(self.halves):
                 if cutlass.const_expr(self.k_ragged):
                     if chunk < self.k_chunks:
@@ -259,16 +263,25 @@ class WarpRowTileMma:
     @cute.jit
     def accumulate_staged(
         self, acc, w_lo_rows: cute.Tensor, w_hi_rows: cute.Tensor, xs, first_step,
-        quad_row, quad_lane,
+        quad_row, quad_lane, x_chunks=None, x_rows=None,
     ):  # fmt: skip
         """``acc[h] += W[tile, K range] @ x^T`` with the tile's two 8-row groups
         in shared memory: ``w_lo_rows``/``w_hi_rows`` are ``(8, chunks, 8)``
-        views (16-byte reads), ``xs`` is ``load_activations``' result.  Chunks
-        past K read as zeros (their activations are zeros too, but shared
-        memory past a row may hold anything, NaN included)."""
+        views (16-byte reads), ``xs`` is ``load_activations``' result for the
+        whole K range, or None: each batch then loads its own steps' chunks of
+        ``x_chunks`` rows ``x_rows`` (L1 hits after a warp's first tile) ahead
+        of its shared reads.  Chunks past K read as zeros (their activations
+        are zeros too, but shared memory past a row may hold anything, NaN
+        included)."""
         mma_atom, frag_a, frag_b = self._mma_atom_and_fragments()
         for batch_start in cutlass.range_constexpr(0, self.steps, self.unroll):
             batch = min(self.unroll, self.steps - batch_start)
+            if cutlass.const_expr(xs is None):
+                batch_xs = self.load_activations(
+                    x_chunks, x_rows, first_step, quad_lane, batch_start, batch
+                )
+            else:
+                batch_xs = xs[batch_start : batch_start + batch]
             w_lo = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
             w_hi = [cute.make_rmem_tensor((CHUNK,), BFloat16) for _ in range(batch)]
             for j in cutlass.range_constexpr(batch):
@@ -285,9 +298,8 @@ class WarpRowTileMma:
                     cute.autovec_copy(w_hi_rows[quad_row, chunk, None], w_hi[j])
             for j in cutlass.range_constexpr(batch):
                 self._mma_chunk(
-                    mma_atom, acc, frag_a, frag_b, w_lo[j], w_hi[j],
-                    xs[batch_start + j],
-                )  # fmt: skip
+                    mma_atom, acc, frag_a, frag_b, w_lo[j], w_hi[j], batch_xs[j]
+                )
 
     @cute.jit
     def reduce_warps(self, acc, total, red, warp, lane, warps: cutlass.Constexpr):

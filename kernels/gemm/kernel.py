@@ -135,6 +135,12 @@ SHARED_BANK_SPAN = 128
 # The shared memory one CTA may use on SM90 (228 KB an SM, 1 KB reserved a CTA).
 MAX_SMEM_PER_CTA = 227 * 1024
 STAGED_EPILOGUES = (EPILOGUE_PLAIN, EPILOGUE_SILU_MUL)
+# Up to this many 8-token halves a staged warp holds its K range's activations
+# in registers across its tiles (36 registers for the in_proj's 9 K-steps); at
+# two halves that would be 72, the kernel would need 137 registers a thread
+# and the next kernel's CTAs (the KDA step's) no longer fit beside it, so each
+# batch of K-steps re-reads its activation chunks, L1 hits after the first tile.
+STAGED_HELD_ACTIVATION_HALVES = 1
 
 
 def stage_row_pitch(k: int) -> int:
@@ -894,12 +900,14 @@ class StagedSkinnyGemmKernel(SkinnyGemmKernel):
     in flight with ``cp.async.bulk`` (one copy a row, completed on the stage's
     mbarrier) before ``griddepcontrol.wait``, so up to that many rows an SM stream in
     while the kernel before still runs.  Every warp then owns one K range for
-    all tiles: it loads its activations once into registers, and per tile it
-    waits for the tile's two stages, runs the MMAs from 16-byte shared-memory
-    reads, and the warps reduce through shared memory (whose first barrier
-    also ends every read of the two stages); warp 0 refills them with the
-    stages ``weight_stages`` further on, then runs the tile's epilogue
-    (``plain`` or ``silu_mul``, the register stream's).  Same MMAs, same
+    all tiles: up to 8 tokens it loads its activations once into registers (at
+    16 every batch of K-steps re-reads them, from L1 after the first tile:
+    STAGED_HELD_ACTIVATION_HALVES), and per tile it waits for the tile's two
+    stages, runs the MMAs from 16-byte shared-memory reads, and the warps
+    reduce through shared memory (whose first barrier also ends every read of
+    the two stages); warp 0 refills them with the stages ``weight_stages``
+    further on, then runs the tile's epilogue (``plain`` or ``silu_mul``, the
+    register stream's).  Same MMAs, same
     fragment order, same warp reduction order: for equal ``warps_k`` the
     outputs are bit-identical to the register stream's.
     """
@@ -1049,7 +1057,9 @@ class StagedSkinnyGemmKernel(SkinnyGemmKernel):
             cutlass.min(quad_row + h * TOKENS_PER_MMA, m - 1) for h in range(halves)
         ]
         first_step = warp * self.steps_per_warp
-        xs = self.mma.load_activations(x_chunks, x_rows, first_step, quad_lane)
+        xs = None
+        if const_expr(halves <= STAGED_HELD_ACTIVATION_HALVES):
+            xs = self.mma.load_activations(x_chunks, x_rows, first_step, quad_lane)
         total = cute.make_rmem_tensor((vals,), Float32)
         # The register stream's residual/norm state: unused by these epilogues.
         unused = cute.make_rmem_tensor((vals,), Float32)
@@ -1062,7 +1072,7 @@ class StagedSkinnyGemmKernel(SkinnyGemmKernel):
             acc = new_accumulators(halves)
             self.mma.accumulate_staged(
                 acc, ring[lo_slot, None, None, None], ring[hi_slot, None, None, None],
-                xs, first_step, quad_row, quad_lane,
+                xs, first_step, quad_row, quad_lane, x_chunks, x_rows,
             )  # fmt: skip
             # Its first barrier ends every warp's reads of the tile's stages.
             self.mma.reduce_warps(acc, total, red, warp, lane, self.warps_k)

@@ -88,10 +88,11 @@ BARRIER_MAX_WARPS = 8
 BARRIER_MIN_TOKENS = 4
 
 # The weight stream staged through shared memory (``weight_stages``): CTAs of 8
-# warps splitting K (one CTA an SM walks ~6 tiles of the KDA in_proj; its warps'
-# activations stay in registers), shared-memory reads of 3 K-steps before their
-# MMAs (the data is on chip: a short batch covers its latency and keeps the
-# registers for the activations), one CTA an SM.
+# warps splitting K (one CTA an SM walks ~6 tiles of the KDA in_proj; at 1-8
+# tokens its warps' activations stay in registers, at 9-16 they come from L1),
+# shared-memory reads of 3 K-steps before their MMAs (the data is on chip: a
+# short batch covers its latency and keeps the registers for the activations),
+# one CTA an SM.
 STAGED_WARPS = 8
 STAGED_UNROLL = 3
 STAGED_CTAS_PER_SM = 1

@@ -1229,8 +1229,9 @@ def test_other_gemm_weight_stages_values_fail_at_start_naming_the_variable(monke
 
 def test_the_kernel_factory_hands_the_weight_stages_to_the_gemm(monkeypatch):
     """The executor's stages unless the switch names the shape (its stages, or
-    none for S = 0) or is 0 (none anywhere); the pre-wait steps and launch bounds
-    go along (PreparedGemm applies them to the register-stream buckets)."""
+    none for S = 0) or is 0 (none anywhere); the pre-wait steps go along
+    (PreparedGemm applies them to the register-stream buckets), the executor's
+    launch bounds only to buckets left unstaged."""
     prepared = pytest.importorskip(
         "vllm.models.kimi_linear.sm90.specialized_decode.cutedsl.gemm.prepared",
         reason="CuTe DSL is not installed",
@@ -1243,8 +1244,15 @@ def test_the_kernel_factory_hands_the_weight_stages_to_the_gemm(monkeypatch):
     assert decode.KernelFactory(clusters=True).gemm(other)["weight_stages"] is None
     monkeypatch.setenv("VLLM_HD_GEMM_WEIGHT_STAGES", "12576x2304:4,6720x2304:2@8")
     factory = decode.KernelFactory(clusters=True)
-    assert factory.gemm(in_proj, **executor_choice)["weight_stages"] == {8: 4, 16: 4}
+    taken = factory.gemm(in_proj, **executor_choice)
+    # The executor's bounds leave the buckets that are now staged.
+    assert taken["weight_stages"] == {8: 4, 16: 4} and taken["min_ctas_per_sm"] is None
     assert factory.gemm(other)["weight_stages"] == {8: 2}
+    # Bounds the switch asks for stay, staged or not.
+    monkeypatch.setenv("VLLM_HD_GEMM_MIN_CTAS", "12576x2304:2@16")
+    taken = decode.KernelFactory(clusters=True).gemm(in_proj, **executor_choice)
+    assert taken["weight_stages"] == {8: 4, 16: 4} and taken["min_ctas_per_sm"] == {16: 2}
+    monkeypatch.delenv("VLLM_HD_GEMM_MIN_CTAS")
     monkeypatch.setenv("VLLM_HD_GEMM_WEIGHT_STAGES", "12576x2304:0")
     taken = decode.KernelFactory(clusters=True).gemm(in_proj, **executor_choice)
     assert taken["weight_stages"] is None and taken["prewait_steps"] == 3

@@ -1,4 +1,5 @@
-"""scripts/bench_gemm.py times ours with the executor's launch bounds: the two must agree."""
+"""scripts/bench_gemm.py times ours with the executor's launch bounds and weight stages:
+the two must agree."""
 
 import ast
 import re
@@ -33,3 +34,10 @@ def test_executor_bounds_the_gemms_the_bench_names():
     text = DECODE.read_text()
     sites = re.findall(r'"(\w+)",[^)]*min_ctas_per_sm=GEMM_MIN_CTAS_BUCKET_16', text, re.S)
     assert sites == ["kda_in_proj", "mla_qkv_a", "mlp_gate_up"]
+
+
+def test_bench_weight_stages_are_the_executors():
+    executor = _literal(DECODE, "KDA_IN_PROJ_WEIGHT_STAGES")
+    bench = _literal(BENCH, "EXECUTOR_WEIGHT_STAGES")
+    assert bench == {"kda_in_qkv_b_fa_ga": executor}
+    assert set(bench) <= set(_literal(BENCH, "SHAPES"))

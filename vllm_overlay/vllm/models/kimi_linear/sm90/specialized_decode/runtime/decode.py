@@ -713,9 +713,11 @@ class KernelFactory:
     ) -> Any:
         """``prewait_steps``: the weight K-steps a warp loads before its PDL wait
         (None: the config's ``unroll``); ``min_ctas_per_sm``: launch bounds by
-        M-bucket (None: none); ``weight_stages``: the M-buckets whose weight
-        streams through shared-memory stages, and how many (None: none; the
-        other buckets keep the register stream and its pre-wait steps).
+        M-bucket (None: none; not at the buckets that end up staged unless
+        ``GEMM_MIN_CTAS_ENV`` names the shape); ``weight_stages``: the M-buckets
+        whose weight streams through shared-memory stages, and how many (None:
+        none; the other buckets keep the register stream and its pre-wait
+        steps).
         ``GEMM_PREWAIT_ENV``, ``GEMM_MIN_CTAS_ENV`` and ``GEMM_WEIGHT_STAGES_ENV``
         override them by the weight's shape."""
         from ..cutedsl.gemm.prepared import PreparedGemm
@@ -733,6 +735,14 @@ class KernelFactory:
         asked_stages = (self.gemm_weight_stages or {}).get(shape)
         if asked_stages is not None:
             weight_stages = asked_stages
+        if asked_bounds is None and min_ctas_per_sm and weight_stages:
+            # The executor's bounds are for the register stream; a staged bucket
+            # runs one CTA an SM at the registers it needs (68-79 for the in_proj).
+            min_ctas_per_sm = {
+                bucket: ctas
+                for bucket, ctas in min_ctas_per_sm.items()
+                if bucket not in weight_stages
+            }
         stream = {
             "prewait_steps": prewait_steps if asked is None else asked,
             "min_ctas_per_sm": min_ctas_per_sm or None,
