@@ -907,9 +907,9 @@ class StagedSkinnyGemmKernel(SkinnyGemmKernel):
     reduce through shared memory (whose first barrier also ends every read of
     the two stages); warp 0 refills them with the stages ``weight_stages``
     further on, then runs the tile's epilogue (``plain`` or ``silu_mul``, the
-    register stream's).  Same MMAs, same
-    fragment order, same warp reduction order: for equal ``warps_k`` the
-    outputs are bit-identical to the register stream's.
+    register stream's).  Same MMAs, same fragment order, same warp reduction
+    order: for equal ``warps_k`` the outputs are bit-identical to the register
+    stream's.
     """
 
     def __init__(
