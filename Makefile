@@ -16,7 +16,7 @@ HD := $(PY) scripts/hd.py
 
 .PHONY: help venv-dev fetch import apply export lint drift ruff check build-wheel \
 	verify-wheel index venv test test-tooling test-real-pin test-runtime test-upstream \
-	test-gpu bench gpu-bundle pre-commit _need-vllm rebase bump-pin upstream-pr clean distclean
+	test-gpu bench gpu-bundle gpu-bundle-kernels pre-commit _need-vllm rebase bump-pin upstream-pr clean distclean
 
 help:
 	@sed -n '2,9p' Makefile
@@ -111,6 +111,11 @@ gpu-bundle: build-wheel
 	wheel=$$(ls dist/vllm-*+$$label-*.whl) && \
 	$(PYTHON) $(GPU_BUNDLE_BUILD) vllm --extra-wheel $$PWD/$$wheel --part-mib 56 \
 	    --out .gpu-bundle/$$(echo $$label | tr -d .)
+
+# CuTe DSL alone (2 parts, .gpu-bundle/kernels): enough for tests/kernels and the kernel
+# benchmarks, ~2.5 min to build against the vllm bundle's ~5. Same part size, same reason.
+gpu-bundle-kernels:
+	$(PYTHON) $(GPU_BUNDLE_BUILD) kernels --part-mib 56
 
 # Move to another upstream release in two explicit steps (VLLM=<version>, e.g. 0.33.0):
 #   make rebase VLLM=X     fetch + verify X, git am -3 the series onto it (build/upstream branch
