@@ -16,7 +16,8 @@ HD := $(PY) scripts/hd.py
 
 .PHONY: help venv-dev fetch import apply export lint drift ruff check build-wheel \
 	verify-wheel index venv test test-tooling test-real-pin test-runtime test-upstream \
-	test-gpu bench gpu-bundle gpu-bundle-kernels pre-commit _need-vllm rebase bump-pin upstream-pr clean distclean
+	test-gpu bench gpu-bundle gpu-bundle-kernels pre-commit _need-vllm rebase bump-pin \
+	upstream-pr clean distclean
 
 help:
 	@sed -n '2,9p' Makefile
