@@ -76,7 +76,9 @@
 # in /tmp/hd-bench-spread, report decode_spread_routing.{json,md}. HD_BENCH_N picks the N
 # (default every one; spread steps at N = 32 and 64 read ~200 experts a layer and take
 # longer: e.g. HD_BENCH_N=1,2,4,8,16). engine-ab takes the same HD_BENCH_ROUTING (its
-# engines' routers re-drawn the same way).
+# engines' routers re-drawn the same way). HD_BENCH_LAYERS=N in front of both bench roles:
+# the model cut to its first N layers, as engine-ab's HD_AB_LAYERS (an H100's pair), results
+# in /tmp/hd-bench-N-layers and /tmp/hd-bench-out-N-layers.
 set -u
 : "${OUT:?run on the device host, where OUT is set}"
 # Issue 6's method (and make bench's default): the median of 3 runs per N. HD_BENCH_RUNS=1
@@ -90,6 +92,11 @@ REPORT=decode  # bench_decode.py's REPORT_STEMS
 if [ "$ROUTING" != dummy ]; then
     SCRATCH="$SCRATCH-$ROUTING"
     REPORT="decode_${ROUTING}_routing"
+fi
+if [ -n "${HD_BENCH_LAYERS:-}" ]; then
+    # A cut model's roles and report are kept apart from the whole model's on this host.
+    SCRATCH="$SCRATCH-$HD_BENCH_LAYERS-layers"
+    BENCH_OUT="$BENCH_OUT-$HD_BENCH_LAYERS-layers"
 fi
 TRITON="${HD_TRITON_DIR:-/tmp/hd-triton}"
 AUTOTUNE_ARCHIVE=triton-autotune-h200.tgz
@@ -115,13 +122,40 @@ if [ -f "ci/gpu/$AUTOTUNE_ARCHIVE" ] && [ ! -d "$TRITON" ]; then
         && echo "autotune: $(find "$TRITON" -name '*.autotune.json' | wc -l) results unpacked"
 fi
 
+# The model cut to its first $1 layers into folder $2, by the rule of tests/integration's
+# 5-layer model, for a GPU that cannot hold the 48B model (an H100's 80 GB; it needs ~98 GB);
+# $3 names the variable that asked, for the error.
+cut_model() {
+    python3 - "$1" "$2" "$3" <<'CUT'
+import json, pathlib, sys
+n, out, asked_by = int(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+config = json.loads(pathlib.Path("tests/runtime/kimi_linear_48b/config.json").read_text())
+if not 2 <= n <= config["num_hidden_layers"]:
+    sys.exit(f"{asked_by}={n}: the model has 2..{config['num_hidden_layers']} layers")
+linear = config["linear_attn_config"]
+mla = [i for i in linear["full_attn_layers"] if i <= n]
+config["num_hidden_layers"] = n
+linear["full_attn_layers"] = mla
+linear["kda_layers"] = [i for i in range(1, n + 1) if i not in mla]
+out.mkdir(parents=True, exist_ok=True)
+(out / "config.json").write_text(json.dumps(config, indent=2))
+CUT
+}
+
 bench_role() {
     correctness=""
     [ -f "$E2E/correctness.json" ] && correctness="--correctness $E2E/correctness.json"
+    model_dir=""
+    if [ -n "${HD_BENCH_LAYERS:-}" ]; then
+        model_dir="$SCRATCH-model"
+        cut_model "$HD_BENCH_LAYERS" "$model_dir" HD_BENCH_LAYERS || exit 2
+        correctness=""  # the end-to-end record is the whole model's, not this one's
+    fi
     # shellcheck disable=SC2086
     timeout 570 python3 scripts/bench_decode.py --out-dir "$BENCH_OUT" \
         --scratch "$SCRATCH" --runs "$RUNS" --roles "$1" --triton-cache "$TRITON" \
         --routing "$ROUTING" ${HD_BENCH_N:+--n "$HD_BENCH_N"} \
+        ${model_dir:+--model-dir "$model_dir"} \
         --keep-traces "$OUT" $correctness > "/tmp/hd-bench-$1.log" 2>&1
     echo "bench $1: exit $?"
     grep -v "Autotuning kernel" "/tmp/hd-bench-$1.log" \
@@ -279,23 +313,8 @@ engine-ab)
     [ "${HD_AB_FULL:-0}" = 1 ] && decode_only=""
     model_dir=""
     if [ -n "${HD_AB_LAYERS:-}" ]; then
-        # For a GPU that cannot hold the 48B model (an H100's 80 GB): the model cut to its
-        # first HD_AB_LAYERS layers, by the rule of tests/integration's 5-layer model.
         model_dir="$ab-model-$HD_AB_LAYERS"
-        python3 - "$HD_AB_LAYERS" "$model_dir" <<'CUT' || exit 2
-import json, pathlib, sys
-n, out = int(sys.argv[1]), pathlib.Path(sys.argv[2])
-config = json.loads(pathlib.Path("tests/runtime/kimi_linear_48b/config.json").read_text())
-if not 2 <= n <= config["num_hidden_layers"]:
-    sys.exit(f"HD_AB_LAYERS={n}: the model has 2..{config['num_hidden_layers']} layers")
-linear = config["linear_attn_config"]
-mla = [i for i in linear["full_attn_layers"] if i <= n]
-config["num_hidden_layers"] = n
-linear["full_attn_layers"] = mla
-linear["kda_layers"] = [i for i in range(1, n + 1) if i not in mla]
-out.mkdir(parents=True, exist_ok=True)
-(out / "config.json").write_text(json.dumps(config, indent=2))
-CUT
+        cut_model "$HD_AB_LAYERS" "$model_dir" HD_AB_LAYERS || exit 2
     fi
     for value in "$@"; do
         tag=$(echo "$value" | tr -c 'A-Za-z0-9_.\n-' _)  # returned names: no odd characters

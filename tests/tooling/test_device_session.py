@@ -287,15 +287,16 @@ for stem in ("decode", "decode_spread_routing"):
 
 @pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX sh")
 @pytest.mark.parametrize(
-    ("env", "routing", "scratch", "n"),
+    ("env", "routing", "scratch", "n", "layers"),
     [
-        ({}, "dummy", "bench", None),
+        ({}, "dummy", "bench", None, None),
         ({"HD_BENCH_ROUTING": "spread", "HD_BENCH_N": "1,2,4"}, "spread", "bench-spread",
-         "1,2,4"),
+         "1,2,4", None),
+        ({"HD_BENCH_LAYERS": "5"}, "dummy", "bench-5-layers", None, 5),
     ],
 )  # fmt: skip
 def test_bench_roles_pass_the_routing_regime_and_keep_its_results_apart(
-    tmp_path, env, routing, scratch, n
+    tmp_path, env, routing, scratch, n, layers
 ):
     tree, path = _tree_with_stand_in(tmp_path)
     (tree / "scripts/bench_decode.py").write_text(BENCH_ARGS_STAND_IN)
@@ -316,6 +317,13 @@ def test_bench_roles_pass_the_routing_regime_and_keep_its_results_apart(
     assert argv[argv.index("--scratch") + 1] == str(tmp_path / scratch)
     assert (argv[argv.index("--n") + 1] if "--n" in argv else None) == n
     assert json.loads((out / "auto.json").read_text())["argv"] == argv
+    # HD_BENCH_LAYERS: the roles run the cut model (the end-to-end tests' 5-layer config).
+    if layers is None:
+        assert "--model-dir" not in argv
+    else:
+        model_dir = Path(argv[argv.index("--model-dir") + 1])
+        small = ROOT / "tests/integration/kimi_linear_5_layers/config.json"
+        assert json.loads((model_dir / "config.json").read_text()) == json.loads(small.read_text())
     # Only this regime's report comes back (the host's out-dir holds both).
     reports = sorted(p.name for p in out.glob("decode*"))
     assert reports == ["decode.md" if routing == "dummy" else "decode_spread_routing.md"]
