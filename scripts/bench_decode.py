@@ -628,14 +628,26 @@ def _prefill_engine_lines(rates: dict) -> list[str]:
     return lines
 
 
+def report_scope(data: dict) -> str:
+    """The title's parenthesis: the GPU's short name ("NVIDIA H200" -> "H200"), then
+    what sets the run apart from issue 6's method (spread routing, a cut model)."""
+    parts = [data["gpu"].removeprefix("NVIDIA ")]
+    if (data.get("routing") or {}).get("regime") == "spread":
+        parts.append("spread routing")
+    layers = data.get("layers")
+    full = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["num_hidden_layers"]
+    if layers is not None and layers != full:
+        parts.append(f"the model cut to its first {layers} of {full} layers")
+    return ", ".join(parts)
+
+
 def write_markdown(data: dict, path: Path) -> None:
     s = data["summary"]
     routing = data.get("routing") or {"regime": "dummy"}
     spread = routing["regime"] == "spread"
     expected = routing.get("expected_uniform_experts") or {}
     lines = [
-        "# Decode step time inside vLLM: stock vs latency-specialized (H200"
-        + (", spread routing)" if spread else ")"),
+        f"# Decode step time inside vLLM: stock vs latency-specialized ({report_scope(data)})",
         "",
         f"{data['gpu']}, {data['date']}, vLLM `{data['vllm']}`, `{data['command']}`.",
         "",
@@ -873,7 +885,7 @@ def write_plot(data: dict, path: Path) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests in flight (N)")
     ax.set_ylabel("decode step (ms)")
-    ax.set_title(f"Kimi-Linear-48B-A3B decode, {data['gpu']}")
+    ax.set_title(f"Kimi-Linear-48B-A3B decode ({report_scope(data)})", fontsize=9)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -1597,6 +1609,7 @@ def assemble(config: dict, got: dict[str, dict], model_dir: str) -> dict:
         "host_phases": {b: results[b].pop("host_phases", None) for b in BACKENDS},
         "method": method_text(runs, routing),
         "model_dir": model_dir,
+        "layers": config["num_hidden_layers"],
         "fingerprint": first["fingerprint"],
         "switches": kernel_switches(first.get("switches", {})),
         **({"non_kernel_switches": non_kernel} if non_kernel else {}),

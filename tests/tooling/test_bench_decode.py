@@ -538,6 +538,7 @@ def _role_results():
 def test_assemble_takes_the_facts_from_the_hosts_the_roles_ran_on():
     data = bench.assemble(CONFIG, _role_results(), "tests/runtime/kimi_linear_48b")
     assert data["gpu"] == "NVIDIA H200" and data["fingerprint"] == "df91"
+    assert data["layers"] == CONFIG["num_hidden_layers"]
     assert data["date"] == "2026-11-30T21:42:00+00:00"  # the last role's
     assert data["command"] == (
         "python3 scripts/bench_decode.py --roles auto,experts ; python3 scripts/bench_decode.py"
@@ -959,6 +960,14 @@ def test_markdown_shows_issue_6s_bar_and_for_spread_routing_the_expectation(tmp_
                            "(H200, spread routing)")  # fmt: skip
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert "| uniform expectation |" in rows[0] and "| 42.5 | 57.4 |" in rows[2]
+
+
+def test_the_title_names_the_gpu_and_a_cut_model(tmp_path):
+    title = "# Decode step time inside vLLM: stock vs latency-specialized "
+    whole = _markdown(_report(layers=27), tmp_path)
+    assert whole.startswith(title + "(H200)\n")
+    cut = _markdown(_report(gpu="NVIDIA H100 80GB HBM3", layers=12), tmp_path)
+    assert cut.startswith(title + "(H100 80GB HBM3, the model cut to its first 12 of 27 layers)\n")
 
 
 def test_a_spread_routing_report_has_its_own_files(tmp_path):
