@@ -25,6 +25,8 @@ Also measured:
     engine with forward hooks on every MoE router (same weights and prompts);
   * where the GPU time of a step at N = 1 goes: every kernel's time per step from a
     torch-profiler trace of PROFILE_TOKENS tokens of one request, after the timed runs;
+  * the host's CPU use during each timed run, from /proc: CPUs kept busy by the engine's
+    own processes and by everything else (a run beside a busy neighbour is named);
   * the weight-read floor at each N: bytes a step must read (every non-routed
     weight, the distinct experts of every MoE layer, lm_head) plus each
     request's KDA/conv state read + write and MLA latent cache read, / 4.25 TB/s.
@@ -111,6 +113,10 @@ PROFILE_TOKENS = 64
 # traces kept with --keep-traces for the host side (traced_ns: an A/B may trace others).
 PROFILE_NS = (1, 2)
 PROFILE_N_ENV = "HD_BENCH_PROFILE_N"
+# A timed run during which other processes kept more than this many of the host's CPUs busy
+# is named in the report: the lent hosts are shared, and on 2026-12-07 a run with the GPU
+# waiting 0.6 ms a step for the host could not be told apart from a slower engine.
+BUSY_HOST_OTHER_CORES = 1.0
 
 
 def traced_ns(environ: dict[str, str] | None = None) -> tuple[int, ...]:
@@ -680,6 +686,7 @@ def write_markdown(data: dict, path: Path) -> None:
         f"Prefill throughput, specialized / stock: {s['prefill_throughput_ratio']:.3f}.",
         "",
     ]
+    lines += _host_cpu_lines(data.get("runs") or {})
     rates = data.get("prefill_rates") or {}
     if rates:
         stock, special = rates["stock"], rates["specialized"]
@@ -713,6 +720,48 @@ def write_markdown(data: dict, path: Path) -> None:
         for backend, table in (data.get(f"profile_n{n}") or {}).items():
             lines += _profile_lines(backend, table, n)
     path.write_text("\n".join(lines))
+
+
+def _host_cpu_lines(runs: dict) -> list[str]:
+    """The host's CPU use during each timed decode run (reports of earlier runs have none):
+    a busy host slows vLLM's step loop, not the GPU, and shows here before it is guessed."""
+    engines = (("stock", "auto"), ("specialized", "latency_specialized"))
+    use = {name: (runs.get(b) or {}).get("host_cpu_runs") or {} for name, b in engines}
+    if not any(use.values()):
+        return []
+    ns = sorted({n for per_n in use.values() for n in per_n}, key=int)
+    lines = [
+        "Host CPUs kept busy during each timed run (/proc, run by run): by the engine's own "
+        "processes and by everything else on the host.",
+        "",
+        "| N | stock: engine | stock: others | specialized: engine | specialized: others |",
+        "|---|---|---|---|---|",
+    ]
+    busy_runs = []
+    for n in ns:
+        cells = []
+        for name, _ in engines:
+            readings = use[name].get(n) or []
+            for key in ("engine_cores", "other_cores"):
+                cells.append(" / ".join(f"{u[key]:.1f}" for u in readings) or "-")
+            busy_runs += [
+                f"{name} N = {n} run {r}"
+                for r, u in enumerate(readings, 1)
+                if u["other_cores"] > BUSY_HOST_OTHER_CORES
+            ]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        (
+            f"Runs beside other processes busy on more than {BUSY_HOST_OTHER_CORES:g} CPU: "
+            + ", ".join(busy_runs)
+            + "."
+        )
+        if busy_runs
+        else f"No run had other processes busy on more than {BUSY_HOST_OTHER_CORES:g} CPU.",
+        "",
+    ]
+    return lines
 
 
 def _cpu_lines(cpus: dict) -> list[str]:
@@ -1027,16 +1076,25 @@ def run_backend(
         await batch("settle", 1, PROMPT_TOKENS, OUTPUT_TOKENS)
         for n in ns:
             await batch(f"warm{n}", n, PROMPT_TOKENS, 16)
-            medians = []
+            medians, cpu_use = [], []
             for r in range(runs):
+                before = host_cpu_sample()
                 chunks = await batch(f"n{n}r{r}", n, PROMPT_TOKENS, OUTPUT_TOKENS)
+                cpu_use.append(host_cpu_use(before, host_cpu_sample()))
                 if any(sum(c for _, c in ch) != OUTPUT_TOKENS for ch in chunks):
                     raise RuntimeError(f"N={n}: a request did not get {OUTPUT_TOKENS} tokens")
                 samples = [s for ch in chunks for s in itl_samples(ch)]
                 medians.append(statistics.median(samples) * 1e3)
             result["step_ms"][str(n)] = statistics.median(medians)
             result["step_ms_runs"][str(n)] = medians
-            print(f"{backend} N={n}: {medians} ms", flush=True)
+            if all(cpu_use):
+                result.setdefault("host_cpu_runs", {})[str(n)] = cpu_use
+            others = [u["other_cores"] for u in cpu_use if u]
+            print(
+                f"{backend} N={n}: {medians} ms"
+                + (f"; other processes' busy CPUs per run {others}" if others else ""),
+                flush=True,
+            )
         if decode_only:
             await profile_decode(result)
             return result
@@ -1305,6 +1363,58 @@ SWITCH_PREFIX = "VLLM_HD_"
 # gives the compiled one's results bit for bit, tests/kernels/test_compile_cache.py): roles
 # may differ in them, and the record keeps each role's.
 NON_KERNEL_SWITCHES = ("VLLM_HD_KERNEL_CACHE",)
+
+
+def host_cpu_sample(proc: Path = Path("/proc"), root_pid: int | None = None) -> dict | None:
+    """Host CPU counters at this instant, in clock ticks since boot: ``busy``, every CPU's
+    non-idle time (/proc/stat); ``engine``, the CPU time of ``root_pid`` (this process) and
+    its descendants (the engine core). None where /proc cannot be read."""
+    import time
+
+    root = os.getpid() if root_pid is None else root_pid
+    try:
+        fields = (proc / "stat").read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal (guest time is inside user)
+    ticks = [int(v) for v in fields[1:9]]
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    parents, cpu = {}, {}
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:  # the process exited while the table was read
+            continue
+        # pid (comm) state ppid ... utime stime: comm may hold spaces and parentheses
+        rest = text[text.rindex(")") + 2 :].split()
+        pid = int(entry.name)
+        parents[pid] = int(rest[1])
+        cpu[pid] = int(rest[11]) + int(rest[12])
+    tree, frontier = {root}, [root]
+    while frontier:
+        frontier = [
+            pid for pid, parent in parents.items() if parent in frontier and pid not in tree
+        ]
+        tree.update(frontier)
+    engine = sum(cpu.get(pid, 0) for pid in tree)
+    return {"time": time.perf_counter(), "busy": busy, "engine": engine}
+
+
+def host_cpu_use(before: dict | None, after: dict | None, ticks_per_s: float | None = None):
+    """CPUs kept busy between two ``host_cpu_sample``s: by the engine's processes and by
+    everything else on the host (``others``); None without both samples."""
+    if before is None or after is None or after["time"] <= before["time"]:
+        return None
+    ticks_per_s = ticks_per_s or os.sysconf("SC_CLK_TCK")
+    seconds = (after["time"] - before["time"]) * ticks_per_s
+    engine = (after["engine"] - before["engine"]) / seconds
+    # The two counters are read a few ms apart: never report a negative rest.
+    others = max(0.0, (after["busy"] - before["busy"]) / seconds - engine)
+    return {"engine_cores": round(engine, 2), "other_cores": round(others, 2)}
 
 
 def host_cpu(cpuinfo: str | None = None) -> dict[str, object]:

@@ -1073,3 +1073,73 @@ def test_the_traced_ns_default_to_the_reports_and_follow_hd_bench_profile_n():
     for bad in ("4 8", "0", "1,,2", "x"):
         with pytest.raises(SystemExit, match=f"HD_BENCH_PROFILE_N={bad!r}"):
             bench.traced_ns({"HD_BENCH_PROFILE_N": bad})
+
+
+def _fake_proc(root: Path, busy_ticks: int, processes: dict[int, tuple[str, int, int]]) -> None:
+    """A /proc with /proc/stat's cpu line (``busy_ticks`` non-idle, 1000 idle, 50 iowait) and
+    per pid (comm, ppid, utime + stime) the stat line's fields the meter reads."""
+    root.mkdir(exist_ok=True)
+    user = busy_ticks - 30
+    (root / "stat").write_text(f"cpu  {user} 0 20 1000 50 5 5 0 0 0\ncpu0 1 2 3 4\n")
+    (root / "self").mkdir(exist_ok=True)  # not a pid: skipped
+    for pid, (comm, ppid, cpu) in processes.items():
+        (root / str(pid)).mkdir(exist_ok=True)
+        fields = ["S", str(ppid)] + ["0"] * 9 + [str(cpu - 1), "1"] + ["0"] * 20
+        (root / str(pid) / "stat").write_text(f"{pid} ({comm}) " + " ".join(fields) + "\n")
+
+
+def test_host_cpu_meter_splits_the_engine_tree_from_the_rest_of_the_host(tmp_path):
+    proc = tmp_path / "proc"
+    # 100 is the bench worker, 101 its engine core, 102 a thread pool child of the engine
+    # core; 200 is another process (a comm with spaces and parentheses).
+    _fake_proc(proc, 10_000, {100: ("python3", 1, 50), 101: ("VLLM::EngineCore", 100, 400),
+                              102: ("pt_main", 101, 10), 200: ("a (b) c", 1, 70)})  # fmt: skip
+    before = bench.host_cpu_sample(proc, root_pid=100)
+    assert before["busy"] == 10_000 and before["engine"] == 460
+    _fake_proc(proc, 10_500, {100: ("python3", 1, 80), 101: ("VLLM::EngineCore", 100, 600),
+                              102: ("pt_main", 101, 20), 200: ("a (b) c", 1, 330)})  # fmt: skip
+    after = bench.host_cpu_sample(proc, root_pid=100)
+    after["time"] = before["time"] + 2.0
+    # 500 ticks busy in 2 s at 100 ticks/s: 2.5 CPUs, 1.2 of them the engine's 240 ticks.
+    assert bench.host_cpu_use(before, after, ticks_per_s=100) == {
+        "engine_cores": 1.2,
+        "other_cores": 1.3,
+    }
+    assert bench.host_cpu_use(before, None) is None
+    assert bench.host_cpu_sample(tmp_path / "no-proc") is None
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="needs Linux's /proc")
+def test_host_cpu_meter_sees_a_busy_child_and_a_busy_stranger():
+    spin = "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass\n"
+    # The stranger is orphaned at once (its parent exits), so it is no descendant of ours.
+    stranger = subprocess.Popen(
+        [sys.executable, "-c",
+         f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {spin!r}])"]
+    )  # fmt: skip
+    stranger.wait()
+    before = bench.host_cpu_sample()
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    time.sleep(0.8)
+    use = bench.host_cpu_use(before, bench.host_cpu_sample())
+    child.wait()
+    assert use["engine_cores"] >= 0.4, use
+    assert use["other_cores"] >= 0.4, use
+
+
+def test_report_shows_the_host_cpu_use_of_each_timed_run():
+    def use(*pairs):
+        return [{"engine_cores": e, "other_cores": o} for e, o in pairs]
+
+    runs = {
+        "auto": {"host_cpu_runs": {"1": use((2.04, 0.0)), "8": use((2.3, 0.1))}},
+        "latency_specialized": {"host_cpu_runs": {"1": use((2.1, 0.2), (2.0, 3.4))}},
+    }
+    lines = bench._host_cpu_lines(runs)
+    assert "| 1 | 2.0 | 0.0 | 2.1 / 2.0 | 0.2 / 3.4 |" in lines
+    assert "| 8 | 2.3 | 0.1 | - | - |" in lines
+    assert "Runs beside other processes busy on more than 1 CPU: specialized N = 1 run 2." in lines
+    runs["latency_specialized"]["host_cpu_runs"]["1"][1]["other_cores"] = 0.4
+    assert "No run had other processes busy on more than 1 CPU." in bench._host_cpu_lines(runs)
+    # Reports of earlier runs have no readings and render as before.
+    assert bench._host_cpu_lines({"auto": {}, "latency_specialized": {}}) == []
