@@ -1405,15 +1405,16 @@ def host_cpu_sample(proc: Path = Path("/proc"), root_pid: int | None = None) -> 
 
 
 def host_cpu_use(before: dict | None, after: dict | None, ticks_per_s: float | None = None):
-    """CPUs kept busy between two ``host_cpu_sample``s: by the engine's processes and by
-    everything else on the host (``others``); None without both samples."""
+    """CPUs kept busy between two ``host_cpu_sample``s: by the engine's processes
+    (``engine_cores``) and by everything else on the host (``other_cores``); None without
+    both samples."""
     if before is None or after is None or after["time"] <= before["time"]:
         return None
     ticks_per_s = ticks_per_s or os.sysconf("SC_CLK_TCK")
-    seconds = (after["time"] - before["time"]) * ticks_per_s
-    engine = (after["engine"] - before["engine"]) / seconds
+    elapsed_ticks = (after["time"] - before["time"]) * ticks_per_s
+    engine = (after["engine"] - before["engine"]) / elapsed_ticks
     # The two counters are read a few ms apart: never report a negative rest.
-    others = max(0.0, (after["busy"] - before["busy"]) / seconds - engine)
+    others = max(0.0, (after["busy"] - before["busy"]) / elapsed_ticks - engine)
     return {"engine_cores": round(engine, 2), "other_cores": round(others, 2)}
 
 
